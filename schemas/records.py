@@ -1,0 +1,109 @@
+"""The genpipe wire records: requests, chunks with integer logprobs, cancels.
+
+The Structs *are* the schema (SPEC §2–3): field names here are the wire contract read by
+other tools, so change them only with a new schema version. Unknown fields are ignored
+on decode (forward compatible); required fields have no default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+OutputKind = Literal["chat", "completion"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How to sample; defaults follow vLLM's SamplingParams."""
+
+    max_tokens: int | None = 16  # None: until the model's context is full
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None, -1 (whole vocabulary) or 0..max_logprobs
+    prompt_logprobs: int | None = None
+
+
+class OutputOptions(msgspec.Struct, kw_only=True):
+    """How derender shapes the result; generate passes it through untouched (chunk seq 0)."""
+
+    kind: OutputKind = "completion"
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False  # streaming only; non-streamed results always carry usage
+    top_logprobs: int = 0  # user-facing k (SPEC §5.4)
+    stop: list[str] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    created: int | None = None  # unix seconds; derender fills it in when absent
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """Topic `<prefix>.requests`, key = request_id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    reply_topic: str | None = None
+    deadline_ms: int | None = None  # epoch milliseconds
+    priority: int = 0
+
+
+# --- integer logprobs, exactly the shape of vLLM PR #58181 -------------------------
+
+
+class GenerateLogProb(msgspec.Struct, kw_only=True, gc=False):
+    token_id: int
+    logprob: float
+    rank: int | None = None  # None only when the logprob was NaN
+
+
+class GenerateLogProbsContent(GenerateLogProb, kw_only=True, gc=False):
+    # The sampled token first, then the top tokens in rank order, the sampled id once.
+    top_logprobs: list[GenerateLogProb] = msgspec.field(default_factory=list)
+
+
+class GenerateLogProbs(msgspec.Struct, kw_only=True, gc=False):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class ChunkError(msgspec.Struct, kw_only=True):
+    message: str
+    type: str = "invalid_request_error"
+
+
+class GenerateChunk(msgspec.Struct, kw_only=True):
+    """Topic `<prefix>.chunks`, key = request_id. One or more sampled tokens."""
+
+    request_id: str
+    attempt: str  # unique per attempt; a re-run after a crash gets a new one
+    seq: int  # 0, 1, 2 ... within an attempt
+    token_offset: int = 0  # index of token_ids[0] in the request's output
+    token_ids: list[int] = msgspec.field(default_factory=list)  # may be empty on the last chunk
+    logprobs: GenerateLogProbs | None = None  # aligned with token_ids
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    error: ChunkError | None = None  # with finish_reason="error"
+    sampled_at_ns: int | None = None
+    # Only on seq 0:
+    prompt_token_count: int | None = None
+    prompt_tail_ids: list[int] | None = None  # last <= 8 prompt ids, seeds the detokenizer
+    prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first entry None
+    output: OutputOptions | None = None
+
+
+class Cancel(msgspec.Struct, kw_only=True):
+    """Topic `<prefix>.cancel`, key = request_id: end the request with finish_reason=abort."""
+
+    request_id: str
+    reason: str = "cancelled"

@@ -1,0 +1,102 @@
+"""The rules a decoded request must follow, as pure functions.
+
+Each rule raises `ValidationError` with one sentence that names the field, e.g.
+"prompt_token_ids must be non-empty" — the text that goes back to the requester.
+Limits that depend on the deployment (vocabulary, context, max_logprobs) are arguments.
+"""
+
+from __future__ import annotations
+
+import re
+
+from schemas.errors import ValidationError
+from schemas.records import GenerateRequest, OutputOptions, SamplingParams
+
+DEFAULT_MAX_LOGPROBS = 20
+MAX_REQUEST_ID_LENGTH = 256
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_INT64_MAX = 2**63 - 1
+
+
+def _fail(field: str, message: str) -> None:
+    raise ValidationError(f"{field} {message}", field=field)
+
+
+def check_logprobs_count(field: str, value: int | None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                         vocab_size: int | None = None) -> None:
+    """None, -1 (the whole vocabulary) or 0..max_logprobs; max_logprobs -1 means no cap.
+
+    `-1` counts as the vocabulary size against the cap when the vocabulary is known.
+    """
+    if value is None:
+        return
+    cap = "any" if max_logprobs < 0 else f"0..{max_logprobs}"
+    if value < -1:
+        _fail(field, f"must be -1 or {cap}, got {value}")
+    if max_logprobs >= 0:
+        if value > max_logprobs:
+            _fail(field, f"must be -1 or {cap}, got {value}")
+        if value == -1 and vocab_size is not None and vocab_size > max_logprobs:
+            _fail(field, f"-1 asks for the whole vocabulary ({vocab_size} entries) but this "
+                         f"deployment's max_logprobs is {max_logprobs}")
+
+
+def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                      vocab_size: int | None = None) -> None:
+    if p.max_tokens is not None and p.max_tokens < 1:
+        _fail("sampling.max_tokens", f"must be at least 1, got {p.max_tokens}")
+    if p.min_tokens < 0:
+        _fail("sampling.min_tokens", f"must be >= 0, got {p.min_tokens}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        _fail("sampling.min_tokens", f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+    if not p.temperature >= 0.0:  # also rejects NaN
+        _fail("sampling.temperature", f"must be >= 0, got {p.temperature}")
+    if not 0.0 < p.top_p <= 1.0:
+        _fail("sampling.top_p", f"must be in (0, 1], got {p.top_p}")
+    if p.top_k < -1:
+        _fail("sampling.top_k", f"must be -1 or 0 (disabled) or a positive count, got {p.top_k}")
+    if not 0.0 <= p.min_p <= 1.0:
+        _fail("sampling.min_p", f"must be in [0, 1], got {p.min_p}")
+    if p.seed is not None and not -_INT64_MAX - 1 <= p.seed <= _INT64_MAX:
+        _fail("sampling.seed", "must fit in 64 bits")
+    for i, tid in enumerate(p.stop_token_ids):
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            _fail(f"sampling.stop_token_ids[{i}]", _out_of_vocab(tid, vocab_size))
+    check_logprobs_count("sampling.logprobs", p.logprobs, max_logprobs, vocab_size)
+    check_logprobs_count("sampling.prompt_logprobs", p.prompt_logprobs, max_logprobs, vocab_size)
+
+
+def validate_output(o: OutputOptions, *, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+    if o.top_logprobs < 0 or (max_logprobs >= 0 and o.top_logprobs > max_logprobs):
+        cap = "any count >= 0" if max_logprobs < 0 else f"0..{max_logprobs}"
+        _fail("output.top_logprobs", f"must be {cap}, got {o.top_logprobs}")
+    for i, s in enumerate(o.stop):
+        if s == "":
+            _fail(f"output.stop[{i}]", "must be a non-empty string")
+
+
+def _out_of_vocab(tid: int, vocab_size: int | None) -> str:
+    if tid < 0:
+        return f"must be a non-negative token id, got {tid}"
+    return f"= {tid} is out of range for a vocabulary of {vocab_size} tokens"
+
+
+def validate_request(req: GenerateRequest, *, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                     vocab_size: int | None = None, max_model_len: int | None = None) -> None:
+    """Raise ValidationError for the first rule `req` breaks; return None if it is valid."""
+    if not 1 <= len(req.request_id) <= MAX_REQUEST_ID_LENGTH:
+        _fail("request_id", f"must be 1..{MAX_REQUEST_ID_LENGTH} characters, got {len(req.request_id)}")
+    if not req.prompt_token_ids:
+        _fail("prompt_token_ids", "must be non-empty")
+    for i, tid in enumerate(req.prompt_token_ids):
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            _fail(f"prompt_token_ids[{i}]", _out_of_vocab(tid, vocab_size))
+    if max_model_len is not None and len(req.prompt_token_ids) >= max_model_len:
+        _fail("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens but the model's context "
+                                  f"is {max_model_len}, leaving no room to generate")
+    validate_sampling(req.sampling, max_logprobs=max_logprobs, vocab_size=vocab_size)
+    validate_output(req.output, max_logprobs=max_logprobs)
+    if req.reply_topic is not None and not _TOPIC_NAME.match(req.reply_topic):
+        _fail("reply_topic", f"is not a valid Kafka topic name: {req.reply_topic!r}")
+    if req.deadline_ms is not None and req.deadline_ms < 0:
+        _fail("deadline_ms", f"must be epoch milliseconds >= 0, got {req.deadline_ms}")

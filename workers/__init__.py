@@ -1,0 +1,1 @@
+"""genpipe runtime: Kafka plumbing, the generate and derender workers, client and CLI."""
