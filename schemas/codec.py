@@ -130,7 +130,7 @@ def peek_request_id(data: bytes, headers: Iterable[tuple[str, bytes]] | None = N
         return None
 
 
-_MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
 
 
 def validation_error_from_msgspec(exc: msgspec.ValidationError) -> ValidationError:
@@ -145,6 +145,9 @@ def validation_error_from_msgspec(exc: msgspec.ValidationError) -> ValidationErr
         field = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return ValidationError(f"{field} is required", field=field)
     msg = msg[:1].lower() + msg[1:]
+    if match and match.group("key"):
+        where = path or "the record"
+        return ValidationError(f"a key of {where}: {msg}", field=path or None)
     if path:
         return ValidationError(f"{path}: {msg}", field=path)
     return ValidationError(msg, field=None)

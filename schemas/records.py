@@ -100,6 +100,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     prompt_tail_ids: list[int] | None = None  # last <= 8 prompt ids, seeds the detokenizer
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first entry None
     output: OutputOptions | None = None
+    reply_topic: str | None = None  # the request's reply_topic, so derender knows where to answer
 
 
 class Cancel(msgspec.Struct, kw_only=True):

@@ -92,7 +92,7 @@ chunk = st.builds(
     prompt_token_count=st.none() | st.integers(0, 10**5),
     prompt_tail_ids=st.none() | st.lists(ids, max_size=8),
     prompt_logprobs=st.none() | st.lists(st.none() | gen_content, max_size=4),
-    output=st.none() | output)
+    output=st.none() | output, reply_topic=st.none() | st.just("replies"))
 chat_lp = st.builds(ChatCompletionLogProb, token=texts, logprob=logprob_values,
                     bytes=st.none() | st.lists(st.integers(0, 255), max_size=4))
 chat_lps = st.builds(ChatCompletionLogProbs, content=st.none() | st.lists(st.builds(

@@ -1,0 +1,38 @@
+"""Small helpers for tests against the real broker: read a topic, wait on a condition."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import AIOKafkaConsumer
+
+from workers.kafka.settings import KafkaSettings
+
+
+async def read_topic(settings: KafkaSettings, topic: str, *, until, timeout: float = 60.0) -> list:
+    """Read `topic` from the start until `until(records)` is true; fail after `timeout`."""
+    consumer = AIOKafkaConsumer(topic, **settings.client_kwargs(), group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=20)
+    await consumer.start()
+    records = []
+    deadline = time.monotonic() + timeout
+    try:
+        while not until(records):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s reading {topic}: {len(records)} records")
+            batch = await consumer.getmany(timeout_ms=100)
+            for messages in batch.values():
+                records.extend(messages)
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
+    """Wait until `condition()` is true, checking every 20 ms; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)

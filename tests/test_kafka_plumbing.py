@@ -1,0 +1,144 @@
+"""The shared Kafka plumbing against the real broker: records, headers, DLQ, commits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import TopicPartition
+
+from schemas import JSON, MSGPACK, Cancel, DecodeError, GenerateRequest, ValidationError
+from tests.kafka_helpers import read_topic, wait_for
+from workers.broker.topics import create_topics
+from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.loop import ConsumerLoop
+from workers.kafka.publisher import Publisher
+from workers.kafka.records import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION,
+                                   HEADER_DLQ_TOPIC, Outgoing, decode_message)
+
+pytestmark = pytest.mark.kafka
+
+
+async def test_published_records_arrive_with_their_headers(kafka_settings):
+    await create_topics(kafka_settings, partitions=2)
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, kafka_settings.topic("dlq"))
+        sent = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, i]) for i in range(4)]
+        futures = []
+        for i, request in enumerate(sent):
+            content_type = JSON if i % 2 else MSGPACK
+            futures.append(await publisher.publish(Outgoing(
+                kafka_settings.topic("requests"), request.request_id, request, content_type,
+                headers={"x-trace": f"t{i}"}, partition=i % 2)))
+        metadata = await asyncio.gather(*futures)
+        assert [m.partition for m in metadata] == [0, 1, 0, 1]
+        assert publisher.in_flight == 0 and publisher.published == 4
+    finally:
+        await producer.stop()
+
+    records = await read_topic(kafka_settings, kafka_settings.topic("requests"), until=lambda r: len(r) >= 4)
+    by_id = {}
+    for record in records:
+        request = decode_message(record, GenerateRequest)
+        by_id[request.request_id] = (request, dict(record.headers))
+        assert record.key.decode() == request.request_id
+    for i, request in enumerate(sent):
+        got, headers = by_id[request.request_id]
+        assert got == request
+        assert headers["content-type"] == (JSON if i % 2 else MSGPACK).encode()
+        assert headers["genpipe-schema"] == b"GenerateRequest/v1"
+        assert headers["x-trace"] == f"t{i}".encode()
+
+
+class ForwardingHandler:
+    """A minimal worker: forwards Cancel records to the results topic, DLQs the rest."""
+
+    def __init__(self, settings, publisher, consumer_loop):
+        self.settings, self.publisher, self.loop = settings, publisher, consumer_loop
+        self.assigned = []
+
+    async def handle(self, message):
+        tp = TopicPartition(message.topic, message.partition)
+        self.loop.tracker(tp).hold(message.offset)
+        try:
+            cancel = decode_message(message, Cancel)
+            future = await self.publisher.publish(Outgoing(self.settings.topic("results"), cancel.request_id, cancel))
+        except (DecodeError, ValidationError) as exc:
+            future = await self.publisher.to_dlq(message, str(exc))
+        future.add_done_callback(lambda f: self.loop.tracker(tp).release(message.offset))
+
+    async def on_assigned(self, partitions, metadata):
+        self.assigned.extend(partitions)
+
+    async def on_revoked(self, partitions):
+        pass
+
+    async def tick(self):
+        pass
+
+    def wants_pause(self):
+        return False
+
+    def commit_metadata(self, tp):
+        return "seen"
+
+    async def drain(self, deadline):
+        await self.publisher.flush()
+
+
+async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed(kafka_settings):
+    await create_topics(kafka_settings, partitions=1)
+    source = kafka_settings.topic("requests")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(source, b"\xc1garbage", key=b"k-bad",
+                                     headers=[("content-type", b"application/x-msgpack"), ("x", b"1")])
+        from schemas import encode, headers_for
+        good = Cancel(request_id="r-good")
+        await producer.send_and_wait(source, encode(good), key=b"r-good", headers=headers_for(good))
+        await producer.send_and_wait(source, b'{"request_id": 7}', key=b"k-typed")  # JSON, no headers, wrong type
+
+        worker_producer = make_producer(kafka_settings)
+        await worker_producer.start()
+        publisher = Publisher(worker_producer, kafka_settings.topic("dlq"))
+        group = f"{kafka_settings.topic_prefix}-group"
+        consumer_loop = ConsumerLoop(kafka_settings, source, group, None)
+        consumer_loop.handler = ForwardingHandler(kafka_settings, publisher, consumer_loop)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
+
+        dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 2)
+        results = await read_topic(kafka_settings, kafka_settings.topic("results"), until=lambda r: len(r) >= 1)
+        tp = TopicPartition(source, 0)
+        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 3, what="commit past all 3 records")
+        stop.set()
+        await task
+        await worker_producer.stop()
+    finally:
+        await producer.stop()
+
+    assert decode_message(results[0], Cancel) == good
+    by_key = {r.key: r for r in dlq}
+    bad = by_key[b"k-bad"]
+    headers = dict(bad.headers)
+    assert bad.value == b"\xc1garbage"  # original bytes, untouched
+    assert headers["x"] == b"1"  # original headers kept
+    assert headers[HEADER_DLQ_TOPIC] == source.encode()
+    assert headers[HEADER_DLQ_PARTITION] == b"0"
+    assert headers[HEADER_DLQ_OFFSET] == b"0"
+    assert b"not a valid msgpack record" in headers[HEADER_DLQ_ERROR]
+    typed = dict(by_key[b"k-typed"].headers)
+    assert typed[HEADER_DLQ_OFFSET] == b"2"
+    assert b"request_id: expected str, got int" in typed[HEADER_DLQ_ERROR]
+
+    # the commit carries the handler's metadata, readable through the admin client
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group, partitions=[tp])
+    finally:
+        await admin.close()
+    assert committed[tp].offset == 3 and committed[tp].metadata == "seen"

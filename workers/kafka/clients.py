@@ -1,0 +1,47 @@
+"""Producer, consumer and admin construction from one KafkaSettings.
+
+The defaults are the ones token streaming needs (see NOTES.md): idempotent producer
+with acks=all and a 1 ms linger; consumers without auto-commit (workers commit only what
+is safe, SPEC §4/§5.5) and a short fetch wait so tokens are not held for 500 ms.
+"""
+
+from __future__ import annotations
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from workers.kafka.settings import KafkaSettings
+
+
+def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
+    options = dict(
+        enable_idempotence=True,  # retries never duplicate or reorder a partition's records
+        acks="all",
+        linger_ms=1,
+        max_batch_size=256 * 1024,
+        request_timeout_ms=30000,
+    )
+    options.update(overrides)
+    return AIOKafkaProducer(**settings.client_kwargs(), **options)
+
+
+def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, **overrides) -> AIOKafkaConsumer:
+    options = dict(
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=20,
+        max_poll_records=1000,
+        session_timeout_ms=30000,
+        heartbeat_interval_ms=3000,
+        # The model step runs in a thread, so the loop stays responsive; 5 minutes gives
+        # a long SIGTERM grace period room before the group evicts us.
+        max_poll_interval_ms=300000,
+    )
+    options.update(overrides)
+    return AIOKafkaConsumer(*topics, **settings.client_kwargs(), **options)
+
+
+def make_admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
+    kwargs = settings.client_kwargs()
+    return AIOKafkaAdminClient(**kwargs)

@@ -1,0 +1,67 @@
+"""Following every partition of a topic without a consumer group.
+
+Every generate worker must see every cancel (whichever worker runs the request), and a
+client must see every result on its reply topic: both read all partitions, from a point
+in time, with no group and no commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from aiokafka import TopicPartition
+
+from workers.kafka.clients import make_consumer
+from workers.kafka.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: float = 30.0) -> list[TopicPartition]:
+    """Assign every partition of `topic` and seek to `since_ms` (None: the end)."""
+    deadline = time.monotonic() + timeout_s
+    partitions = consumer.partitions_for_topic(topic)
+    while not partitions:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {topic!r} does not exist (create it with `genpipe topics create`)")
+        await consumer._client.force_metadata_update()  # no public call to refresh one topic
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await asyncio.sleep(0.1)
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    if since_ms is None:
+        await consumer.seek_to_end(*tps)
+    else:
+        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, found[tp].offset if found.get(tp) is not None else ends[tp])
+    # Resolve positions now, so records produced after this call are never skipped.
+    for tp in tps:
+        await consumer.position(tp)
+    return tps
+
+
+async def follow(settings: KafkaSettings, topic: str, on_record: Callable[[object], Awaitable[None] | None],
+                 stop: asyncio.Event, *, since_ms: int | None = None, ready: asyncio.Event | None = None,
+                 poll_timeout_ms: int = 20) -> None:
+    """Call `on_record(message)` for every record of `topic` until `stop` is set."""
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    await consumer.start()
+    try:
+        await assign_all(consumer, topic, since_ms)
+        if ready is not None:
+            ready.set()
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=poll_timeout_ms)
+            for messages in batch.values():
+                for message in messages:
+                    result = on_record(message)
+                    if asyncio.iscoroutine(result):
+                        await result
+    finally:
+        await consumer.stop()

@@ -1,0 +1,64 @@
+"""Kafka records <-> genpipe records: keys, values, headers, DLQ copies.
+
+Every record genpipe writes carries `content-type` and `genpipe-schema` headers; every
+record it reads is decoded by its content-type (sniffed when absent, for kcat users).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import MSGPACK, Headers, decode_record, encode, headers_for
+
+HEADER_ATTEMPT = "genpipe-attempt"
+HEADER_SEQ = "genpipe-seq"
+HEADER_FINAL = "genpipe-final"
+HEADER_RESTART = "genpipe-restart"
+HEADER_DLQ_TOPIC = "genpipe-dlq-source-topic"
+HEADER_DLQ_PARTITION = "genpipe-dlq-source-partition"
+HEADER_DLQ_OFFSET = "genpipe-dlq-source-offset"
+HEADER_DLQ_ERROR = "genpipe-dlq-error"
+HEADER_DLQ_TIME = "genpipe-dlq-time-ms"
+
+
+@dataclass
+class Outgoing:
+    """One record to publish: the value is a schemas Struct, encoded at send time."""
+
+    topic: str
+    key: str
+    value: Any
+    content_type: str = MSGPACK
+    headers: dict[str, str] = field(default_factory=dict)
+    partition: int | None = None  # None: the producer's key hashing decides
+
+    def kafka_headers(self) -> Headers:
+        extra = [(name, str(value).encode()) for name, value in self.headers.items()]
+        return headers_for(self.value, self.content_type, extra)
+
+    def kafka_value(self) -> bytes:
+        return encode(self.value, self.content_type)
+
+
+def decode_message(message, record_type: Any) -> Any:
+    """Decode a consumed aiokafka record's value; raises schemas DecodeError/ValidationError."""
+    return decode_record(message.value, message.headers, record_type)
+
+
+def message_key(message) -> str | None:
+    return message.key.decode("utf-8", "replace") if message.key is not None else None
+
+
+def dlq_headers(message, error: str) -> Headers:
+    """The original headers plus where the record came from and why it was refused."""
+    headers = list(message.headers or ())
+    headers += [
+        (HEADER_DLQ_TOPIC, message.topic.encode()),
+        (HEADER_DLQ_PARTITION, str(message.partition).encode()),
+        (HEADER_DLQ_OFFSET, str(message.offset).encode()),
+        (HEADER_DLQ_ERROR, error.encode("utf-8", "replace")[:4096]),
+        (HEADER_DLQ_TIME, str(int(time.time() * 1000)).encode()),
+    ]
+    return headers

@@ -1,0 +1,64 @@
+"""Running a worker process: producer, consumer loop, signals, clean exit.
+
+Both workers call `serve()` with their handler factory; everything Kafka-shaped about a
+process's life (start order, SIGTERM/SIGINT → graceful drain, flush, final commit, stop
+order) lives here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+from workers.kafka.clients import make_producer
+from workers.kafka.loop import ConsumerLoop, Handler
+from workers.kafka.publisher import Publisher
+from workers.kafka.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+HandlerFactory = Callable[[Publisher, ConsumerLoop], Handler]
+
+
+async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_handler: HandlerFactory,
+                stop: asyncio.Event | None = None, grace_s: float = 30.0,
+                background: Callable[[Publisher, ConsumerLoop, asyncio.Event], list[Awaitable]] | None = None,
+                producer_overrides: dict | None = None, loop_options: dict | None = None,
+                on_ready: Callable[[], None] | None = None) -> int:
+    """Run one worker until `stop` is set (or SIGTERM/SIGINT arrives); return an exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (tests run workers as tasks): the caller sets `stop`
+
+    producer = make_producer(settings, **(producer_overrides or {}))
+    await producer.start()
+    publisher = Publisher(producer, settings.topic("dlq"))
+    consumer_loop = ConsumerLoop(settings, topic, group_id, None, **(loop_options or {}))
+    consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
+    tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]
+    ready_task = None
+    if on_ready is not None:
+        async def announce():
+            await consumer_loop.ready.wait()
+            on_ready()
+        ready_task = asyncio.ensure_future(announce())
+    try:
+        await consumer_loop.run(stop, grace_s=grace_s)
+        await publisher.flush()
+        return 0
+    finally:
+        stop.set()
+        for task in tasks + ([ready_task] if ready_task else []):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await producer.stop()
+        for sig in installed:
+            loop.remove_signal_handler(sig)
