@@ -1,0 +1,114 @@
+"""Shared fixtures: one Kafka broker per test session, fresh topic names per test.
+
+Kafka comes from, in order (SPEC §7):
+1. ``GENPIPE_BOOTSTRAP_SERVERS`` if set (any broker; GENPIPE_* SASL/SSL settings apply);
+2. testcontainers' Kafka when a Docker engine answers;
+3. the local broker from ``ops/kafka`` (``genpipe broker up``) on port 19092, started
+   once and stopped at session end only if this session started it.
+
+Tests that need Kafka say ``pytestmark = pytest.mark.kafka`` and use ``kafka_settings``
+(its own topic prefix per test, so tests never see each other's records) and
+``make_topics``. Async tests and fixtures share one session event loop (pyproject:
+asyncio_mode=auto, asyncio_default_{fixture,test}_loop_scope=session), so async
+fixtures here must not ask for a narrower loop scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+
+import pytest
+
+from workers.kafka.settings import KafkaSettings
+
+TEST_BROKER_PORT = int(os.environ.get("GENPIPE_TEST_BROKER_PORT", "19092"))
+# The default testcontainers image, in KRaft mode; override for a 4.x broker.
+TEST_KAFKA_IMAGE = os.environ.get("GENPIPE_TEST_KAFKA_IMAGE", "confluentinc/cp-kafka:7.6.0")
+
+
+def _docker_socket_connects() -> bool:
+    # docker-py leaks its socket when the engine is absent (an unraisable ResourceWarning
+    # later, in whichever test runs then), so test the endpoint with a plain socket first.
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    try:
+        if host.startswith("unix://"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1)
+                sock.connect(host[len("unix://"):])
+            return True
+        if host.startswith("tcp://"):
+            address, _, port = host[len("tcp://"):].rstrip("/").rpartition(":")
+            with socket.create_connection((address, int(port)), timeout=1):
+                return True
+    except (OSError, ValueError):
+        return False
+    return True  # ssh:// and friends: let docker-py judge
+
+
+def _docker_answers() -> bool:
+    """True when a Docker engine answers within ~2 s (a CLI without a daemon does not count)."""
+    if not _docker_socket_connects():
+        return False
+    try:
+        import docker
+
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap():
+    """Bootstrap servers (str) of the session's Kafka broker."""
+    env = os.environ.get("GENPIPE_BOOTSTRAP_SERVERS")
+    if env:
+        yield env
+        return
+    if _docker_answers():
+        from testcontainers.community.kafka import KafkaContainer
+
+        with KafkaContainer(TEST_KAFKA_IMAGE).with_kraft() as container:
+            yield container.get_bootstrap_server()
+        return
+
+    from workers.broker.local import BrokerError, broker_down, broker_up
+
+    try:
+        info = broker_up(port=TEST_BROKER_PORT, timeout=120, quiet=True)
+    except BrokerError as exc:
+        pytest.fail(f"no Kafka for the tests (set GENPIPE_BOOTSTRAP_SERVERS, run a Docker "
+                    f"engine, or fix the local broker): {exc}", pytrace=False)
+    try:
+        yield info.bootstrap_servers
+    finally:
+        if not info.reused:  # leave a broker someone else started alone
+            broker_down(port=TEST_BROKER_PORT)
+
+
+@pytest.fixture
+def kafka_settings(kafka_bootstrap) -> KafkaSettings:
+    """Settings for the session broker with a topic prefix unique to this test."""
+    # SASL/SSL settings only make sense for the broker GENPIPE_BOOTSTRAP_SERVERS names.
+    base = KafkaSettings.from_env() if os.environ.get("GENPIPE_BOOTSTRAP_SERVERS") else KafkaSettings()
+    return dataclasses.replace(base, bootstrap_servers=kafka_bootstrap,
+                               topic_prefix=f"test-{uuid.uuid4().hex[:10]}")
+
+
+async def create_test_topics(settings: KafkaSettings, partitions: int = 8):
+    """Create the five topics for ``settings``; returns the TopicsReport."""
+    from workers.broker.topics import create_topics
+
+    return await create_topics(settings, partitions=partitions)
+
+
+@pytest.fixture
+def make_topics():
+    """``await make_topics(settings, partitions=8)`` creates the five topics."""
+    return create_test_topics

@@ -1,0 +1,140 @@
+"""The local broker's life cycle and `genpipe topics create` idempotency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workers.kafka.settings import TOPIC_ROLES
+
+pytestmark = pytest.mark.kafka
+
+# Not the session fixture's port (19092) nor the default (9092): this test starts and
+# stops its own broker and must not disturb a broker other tests are using.
+LIFECYCLE_PORT = 29092
+
+
+def genpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real CLI in a child process (as a user would), capturing its output."""
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not (shutil.which("java") and shutil.which("mvn")),
+                    reason="the local broker needs java and mvn")
+def test_broker_up_reuse_status_down(tmp_path):
+    from workers.broker import local
+
+    data_dir = tmp_path / "broker"
+    cli_opts = ("--port", str(LIFECYCLE_PORT), "--data-dir", str(data_dir))
+    if local.answers(LIFECYCLE_PORT):
+        pytest.skip(f"something already answers on port {LIFECYCLE_PORT}")
+
+    first = local.broker_up(port=LIFECYCLE_PORT, data_dir=data_dir, timeout=120, quiet=True)
+    try:
+        assert not first.reused and first.pid is not None
+        assert first.bootstrap_servers == f"127.0.0.1:{LIFECYCLE_PORT}"
+        assert (data_dir / "broker.pid").read_text().strip() == str(first.pid)
+        assert (data_dir / "kraft" / "meta.properties").exists()  # formatted on first start
+
+        # Second `up`, in-process and through the CLI: reuse, start nothing.
+        second = local.broker_up(port=LIFECYCLE_PORT, data_dir=data_dir, quiet=True)
+        assert second.reused and second.pid == first.pid
+        out = genpipe("broker", "up", *cli_opts)
+        assert out.returncode == 0, out.stderr
+        assert f"broker already answering on 127.0.0.1:{LIFECYCLE_PORT} — reusing it" in out.stdout
+        assert f"pid {first.pid}" in out.stdout
+
+        status = local.broker_status(port=LIFECYCLE_PORT, data_dir=data_dir)
+        assert (status.state, status.pid) == ("running", first.pid)
+        out = genpipe("broker", "status", *cli_opts)
+        assert out.returncode == 0 and f"running on 127.0.0.1:{LIFECYCLE_PORT}" in out.stdout
+        assert f"pid {first.pid}" in out.stdout
+    finally:
+        message = local.broker_down(port=LIFECYCLE_PORT, data_dir=data_dir)
+
+    assert f"(pid {first.pid}) stopped" in message
+    wait_until(lambda: not pid_exists(first.pid), 10, f"pid {first.pid} to disappear")
+    assert not Path(f"/proc/{first.pid}").exists()
+    assert not (data_dir / "broker.pid").exists()
+    assert not local.answers(LIFECYCLE_PORT)
+    assert local.broker_status(port=LIFECYCLE_PORT, data_dir=data_dir).state == "stopped"
+
+    out = genpipe("broker", "status", *cli_opts)
+    assert out.returncode == 1 and "no broker on" in out.stdout
+    out = genpipe("broker", "down", *cli_opts)  # nothing to stop is not an error
+    assert out.returncode == 0 and "no genpipe broker recorded" in out.stdout
+
+
+async def _partition_counts(settings) -> dict[str, int]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**settings.client_kwargs())
+    await admin.start()
+    try:
+        names = [settings.topic(role) for role in TOPIC_ROLES]
+        listed = set(await admin.list_topics())
+        return {t["topic"]: len(t["partitions"])
+                for t in await admin.describe_topics(names) if t["topic"] in listed}
+    finally:
+        await admin.close()
+
+
+def _topics_cli(settings, *extra: str) -> subprocess.CompletedProcess:
+    # The child takes SASL/SSL settings from the same GENPIPE_* variables as the fixture.
+    return genpipe("topics", "create", "--bootstrap-servers", settings.bootstrap_servers,
+                   "--topic-prefix", settings.topic_prefix, *extra)
+
+
+async def test_topics_create_cli_is_idempotent(kafka_settings):
+    names = [kafka_settings.topic(role) for role in TOPIC_ROLES]
+    first = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "3")
+    assert first.returncode == 0, first.stderr
+    assert [f"created {n} (3 partitions)" for n in names] == first.stdout.splitlines()
+
+    # Asking again (even with another count) changes nothing and says so.
+    second = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "5")
+    assert second.returncode == 0, second.stderr
+    assert [f"exists  {n} (3 partitions)" for n in names] == second.stdout.splitlines()
+
+    assert await _partition_counts(kafka_settings) == {n: 3 for n in names}
+
+
+async def test_create_topics_reports_created_then_existed(kafka_settings, make_topics):
+    names = [kafka_settings.topic(role) for role in TOPIC_ROLES]
+    first = await make_topics(kafka_settings, partitions=2)
+    assert (first.created, first.existed) == (names, [])
+    assert first.partitions == {n: 2 for n in names}
+    second = await make_topics(kafka_settings, partitions=2)
+    assert (second.created, second.existed) == ([], names)
+    assert await _partition_counts(kafka_settings) == {n: 2 for n in names}
+
+
+def test_topics_create_reports_unreachable_broker():
+    out = genpipe("topics", "create", "--bootstrap-servers", "127.0.0.1:1", "--timeout", "5")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: cannot create topics on 127.0.0.1:1")
+    assert "Traceback" not in out.stderr

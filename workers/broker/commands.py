@@ -1,0 +1,143 @@
+"""`genpipe broker up|down|status` and `genpipe topics create`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
+
+
+def register(subparsers) -> None:
+    broker = subparsers.add_parser(
+        "broker", help="run a local single-node Apache Kafka broker (KRaft)",
+        description=(
+            "Run a real Apache Kafka 4.x broker on 127.0.0.1 in single-node KRaft mode. "
+            "Its jars are resolved once by Maven from ops/kafka/pom.xml into "
+            "${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/kafka/<version>/libs (needs java 17+ "
+            "and mvn); its data, pid file and log live in .../broker-<port>/ unless "
+            "--data-dir says otherwise. Any other Kafka works too: skip this and pass "
+            "--bootstrap-servers (or GENPIPE_BOOTSTRAP_SERVERS) to the other commands."))
+    actions = broker.add_subparsers(dest="broker_action", metavar="ACTION", required=True)
+    helps = {
+        "up": ("start the broker (storage is formatted on first start) and wait until it "
+               "answers; if a Kafka broker already answers on the port, reuse it", _broker_up),
+        "down": ("stop the broker started by `genpipe broker up` (SIGTERM to its recorded "
+                 "pid)", _broker_down),
+        "status": ("say whether a broker answers on the port and whether genpipe started "
+                   "it (exit 0 if one answers)", _broker_status),
+    }
+    for action, (text, func) in helps.items():
+        p = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("--port", type=int, default=9092,
+                       help="client (PLAINTEXT) port on 127.0.0.1 (default %(default)s)")
+        p.add_argument("--data-dir", default=None,
+                       help="broker directory: config, pid file, log and KRaft data "
+                            "(default ${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/broker-PORT)")
+        if action == "up":
+            p.add_argument("--controller-port", type=int, default=None,
+                           help="KRaft controller port on 127.0.0.1 (default PORT+1)")
+            p.add_argument("--timeout", type=float, default=60,
+                           help="seconds to wait for the broker to answer (default %(default)s)")
+        p.set_defaults(func=func)
+
+    topics = subparsers.add_parser(
+        "topics", help="manage genpipe's Kafka topics",
+        description="Manage the five genpipe topics: " + ", ".join(
+            f"<prefix>.{r}" for r in TOPIC_ROLES) + ".")
+    topic_actions = topics.add_subparsers(dest="topics_action", metavar="ACTION", required=True)
+    create = topic_actions.add_parser(
+        "create", help="create the five topics (idempotent: existing topics are kept)",
+        description=(
+            "Create <prefix>.requests, .chunks, .results, .cancel and .dlq if missing. "
+            "Existing topics are left as they are; the command reports which were created "
+            "and which existed. requests, chunks and results must share one partition "
+            "count, so a request's records stay on one partition number end to end."))
+    create.add_argument("--partitions", type=int, default=8,
+                        help="partitions per topic (default %(default)s)")
+    create.add_argument("--replication-factor", type=int, default=1,
+                        help="replicas per partition (default %(default)s; 1 for one broker)")
+    create.add_argument("--timeout", type=float, default=30,
+                        help="seconds to wait for the broker (default %(default)s)")
+    KafkaSettings.add_arguments(create)
+    create.set_defaults(func=_topics_create)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _broker_up(args: argparse.Namespace) -> int:
+    from workers.broker.local import BrokerError, broker_up
+
+    try:
+        info = broker_up(port=args.port, controller_port=args.controller_port,
+                         data_dir=args.data_dir, timeout=args.timeout)
+    except BrokerError as exc:
+        return _fail(str(exc))
+    if info.reused and info.pid is None:
+        print(f"broker already answering on {info.bootstrap_servers} — reusing it "
+              "(not started by genpipe here; `genpipe broker down` will not stop it)")
+    elif info.reused:
+        print(f"broker already answering on {info.bootstrap_servers} — reusing it "
+              f"(pid {info.pid})")
+    else:
+        print(f"broker up on {info.bootstrap_servers} (pid {info.pid}, KRaft controller "
+              f"127.0.0.1:{info.controller_port}, data {info.data_dir}, log {info.log_file})")
+    return 0
+
+
+def _broker_down(args: argparse.Namespace) -> int:
+    from workers.broker.local import BrokerError, broker_down
+
+    try:
+        print(broker_down(port=args.port, data_dir=args.data_dir))
+    except BrokerError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _broker_status(args: argparse.Namespace) -> int:
+    """Exit 0 when a broker answers (ours or not), 1 otherwise, so scripts can test it."""
+    from workers.broker.local import HOST, broker_status
+
+    st = broker_status(port=args.port, data_dir=args.data_dir)
+    where = f"{HOST}:{st.port}"
+    print({
+        "running": f"broker running on {where} (pid {st.pid}, data {st.data_dir})",
+        "starting": f"broker process {st.pid} exists but {where} does not answer (yet)",
+        "foreign": f"a Kafka broker answers on {where}, not started by genpipe here",
+        "stopped": f"no broker on {where}",
+    }[st.state])
+    return 0 if st.state in ("running", "foreign") else 1
+
+
+def _topics_create(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from workers.broker.topics import TopicsError, create_topics
+
+    # aiokafka logs each failed connect; with no logging configured Python's last-resort
+    # handler would print those too, doubling the one-line error below.
+    logging.getLogger("aiokafka").addHandler(logging.NullHandler())
+    settings = KafkaSettings.from_args(args, client_id="genpipe-topics")
+    try:
+        report = asyncio.run(create_topics(settings, partitions=args.partitions,
+                                           replication_factor=args.replication_factor,
+                                           timeout=args.timeout))
+    except (TopicsError, ValueError) as exc:
+        return _fail(str(exc))
+    except Exception as exc:  # aiokafka errors: connection refused, auth, timeouts
+        detail = str(exc) if str(exc).startswith(type(exc).__name__) else (
+            f"{type(exc).__name__}: {exc}")
+        return _fail(f"cannot create topics on {settings.bootstrap_servers}: {detail}")
+    for name in report.created:
+        print(f"created {name} ({report.partitions[name]} partitions)")
+    for name in report.existed:
+        print(f"exists  {name} ({report.partitions[name]} partitions)")
+    if report.mismatched(settings):
+        print("warning: requests, chunks and results have different partition counts; "
+              "a request's records may then change partition number", file=sys.stderr)
+    return 0

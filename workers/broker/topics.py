@@ -1,0 +1,96 @@
+"""Create genpipe's five topics (SPEC §2), idempotently.
+
+requests, chunks and results must share one partition count so a request's records
+stay on one partition number end to end; cancel and dlq simply use the same count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
+
+
+class TopicsError(RuntimeError):
+    """Topic creation failed for a reason other than "already exists"."""
+
+
+@dataclass
+class TopicsReport:
+    created: list[str] = field(default_factory=list)
+    existed: list[str] = field(default_factory=list)
+    partitions: dict[str, int] = field(default_factory=dict)  # topic -> partition count
+
+    def mismatched(self, settings: KafkaSettings) -> list[str]:
+        """requests/chunks/results whose partition counts differ (pre-existing topics)."""
+        names = [settings.topic(r) for r in ("requests", "chunks", "results")]
+        counts = {self.partitions.get(n) for n in names}
+        return names if len(counts) > 1 else []
+
+
+async def create_topics(settings: KafkaSettings, partitions: int = 8,
+                        replication_factor: int = 1, timeout: float = 30) -> TopicsReport:
+    """Create the missing topics among ``settings.topic(role)`` for every role.
+
+    Existing topics are left alone (their partition count is reported, not changed).
+    Returns once every topic has a leader for every partition, so callers can produce
+    immediately.
+    """
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    if partitions < 1 or replication_factor < 1:
+        raise ValueError("partitions and replication_factor must be >= 1")
+    names = [settings.topic(role) for role in TOPIC_ROLES]
+    report = TopicsReport()
+    admin = AIOKafkaAdminClient(**settings.with_client_id(f"{settings.client_id}-admin")
+                                .client_kwargs(), request_timeout_ms=int(timeout * 1000))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [n for n in names if n not in existing]
+        report.existed = [n for n in names if n in existing]
+        if missing:
+            response = await admin.create_topics(
+                [NewTopic(n, partitions, replication_factor) for n in missing],
+                timeout_ms=int(timeout * 1000))
+            failures = []
+            for topic, code, *rest in response.topic_errors:
+                error = for_code(code) if code else None
+                if error is None:
+                    report.created.append(topic)
+                elif error is TopicAlreadyExistsError:
+                    report.existed.append(topic)  # someone else created it meanwhile
+                else:
+                    failures.append(f"{topic}: {error.__name__}"
+                                    + (f" ({rest[0]})" if rest and rest[0] else ""))
+            if failures:
+                raise TopicsError("could not create topics: " + "; ".join(failures))
+        report.partitions = await _wait_for_leaders(admin, names, timeout)
+    finally:
+        await admin.close()
+    report.existed.sort(key=names.index)
+    report.created.sort(key=names.index)
+    return report
+
+
+async def _wait_for_leaders(admin, names: list[str], timeout: float) -> dict[str, int]:
+    """Poll metadata until each topic is known and every partition has a leader.
+
+    KRaft acknowledges CreateTopics once the controller committed it; the broker side
+    may take a moment more, and a producer sending before then fails its first send.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = await admin.describe_topics(names)
+        ready = {t["topic"]: len(t["partitions"]) for t in topics
+                 if t["error_code"] == 0 and t["partitions"]
+                 and all(p["leader"] >= 0 for p in t["partitions"])}
+        if len(ready) == len(names):
+            return ready
+        if time.monotonic() > deadline:
+            waiting = sorted(set(names) - set(ready))
+            raise TopicsError(f"topics without leaders after {timeout:.0f} s: {waiting}")
+        await asyncio.sleep(0.1)

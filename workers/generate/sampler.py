@@ -1,0 +1,210 @@
+"""Batched sampling with per-request params and per-request seeded generators.
+
+Plain functions over [B, V] logits. Order of the warpers (as Hugging Face applies
+them): temperature → top-k → top-p → min-p, each vectorised over the batch; a row
+with a feature disabled is left bit-for-bit untouched, and a warper no row uses costs
+nothing (the `any_*` flags are python bools, decided on the host once per batch
+composition, so no step ever syncs to find out).
+
+Greedy rows (temperature < 1e-5, as in vLLM) take argmax of the logits they are given
+and ignore top-k/top-p/min-p (vLLM resets them for greedy requests). Other rows use
+the exponential race: argmax(probs / q) with q ~ Exp(1) is an exact draw from probs,
+and q for a seeded row comes from that row's own torch.Generator, one [V] draw per
+step, so a seeded request gets the same tokens alone or in any batch, at any row
+(given the same logits: the model forward itself is not bit-exact across batch sizes
+on GPU).
+
+Engine usage, one decode step:
+
+    logits = suppress(raw, below_min_tokens_ids)      # new tensor only if needed
+    sampled = sample(logits, st, generators)          # [B] int64 on logits.device
+    ids, positions = step_to_host(raw, sampled, ks)   # logprobs.py, raw logits
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from schemas.records import SamplingParams
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below this are greedy
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling params on the device, plus host-side flags to skip dead work."""
+
+    temperature: Tensor  # [B] float32; 1.0 on greedy rows (never divides by ~0)
+    top_p: Tensor  # [B] float32; 1.0 = disabled
+    top_k: Tensor  # [B] int64; 0 = disabled
+    log_min_p: Tensor  # [B] float32; log(min_p), -inf = disabled
+    greedy: Tensor  # [B] bool
+    greedy_rows: tuple[bool, ...]  # the same mask on the host
+    max_top_k: int  # largest enabled top_k (0 if none)
+    any_temperature: bool
+    any_top_p: bool
+    any_min_p: bool
+
+
+def make_sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str) -> SamplingTensors:
+    """Build once per batch composition: one host→device copy for all rows."""
+    rows = []
+    for p in params:
+        greedy = p.temperature < GREEDY_EPS
+        temp = 1.0 if greedy else float(p.temperature)
+        top_p = 1.0 if greedy else min(max(float(p.top_p), 0.0), 1.0)
+        top_k = 0 if greedy or p.top_k <= 0 else min(int(p.top_k), 2**31)  # 0, -1: off
+        # min_p > 1 would mask the top token too and leave nothing to sample
+        min_p = 0.0 if greedy else min(max(float(p.min_p), 0.0), 1.0)
+        log_min_p = math.log(min_p) if min_p > 0.0 else -math.inf
+        rows.append((temp, top_p, float(top_k), log_min_p, float(greedy)))
+    b = len(rows)
+    # float64 keeps any top_k exact (float32 rounds above 2^24); one copy, then views.
+    packed = torch.tensor(rows, dtype=torch.float64).reshape(b, 5).t().contiguous().to(device)
+    greedy_rows = tuple(r[4] == 1.0 for r in rows)
+    top_ks = [int(r[2]) for r in rows]
+    return SamplingTensors(
+        temperature=packed[0].float(),
+        top_p=packed[1].float(),
+        top_k=packed[2].long(),
+        log_min_p=packed[3].float(),
+        greedy=packed[4] != 0,
+        greedy_rows=greedy_rows,
+        max_top_k=max(top_ks, default=0),
+        any_temperature=any(r[0] != 1.0 for r in rows),
+        any_top_p=any(r[1] < 1.0 for r in rows),
+        any_min_p=any(r[3] != -math.inf for r in rows),
+    )
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's own generator; its state advances by one [V] draw per sampled step."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)  # manual_seed takes uint64
+    return g
+
+
+def _top_k(x: Tensor, st: SamplingTensors) -> None:
+    """Mask, in place, entries below each row's k-th largest value (ties at k kept)."""
+    vocab = x.shape[-1]
+    k_max = min(st.max_top_k, vocab)
+    values = x.topk(k_max, dim=-1, sorted=True).values  # one topk for the whole batch
+    k = st.top_k.clamp(max=vocab)
+    kth = values.gather(1, (k - 1).clamp(min=0).view(-1, 1))
+    kth = kth.masked_fill((k <= 0).view(-1, 1), -math.inf)  # disabled rows: keep all
+    x.masked_fill_(x < kth, -math.inf)
+
+
+def _top_p(x: Tensor, st: SamplingTensors) -> Tensor:
+    """Keep the smallest set of largest-probability tokens whose mass reaches top_p.
+
+    Descending stable sort (value desc, id asc: the order argmax and the logprob ranks
+    use), then drop every token whose mass above it is already >= top_p; the first
+    always survives. At a tie the lower id is kept, whatever the kernel or other rows.
+    """
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    probs = sorted_x.softmax(dim=-1)
+    above = probs.cumsum(dim=-1) - probs  # exclusive prefix: mass of strictly earlier tokens
+    drop = above >= st.top_p.view(-1, 1)
+    drop[:, 0] = False
+    drop &= (st.top_p < 1.0).view(-1, 1)  # disabled rows untouched, even 0-mass tails
+    return x.scatter(-1, order, sorted_x.masked_fill(drop, -math.inf))
+
+
+def _min_p(x: Tensor, st: SamplingTensors) -> None:
+    """Mask, in place, tokens with prob < min_p * max prob, i.e. x < max(x) + log(min_p)."""
+    thr = x.amax(dim=-1, keepdim=True) + st.log_min_p.view(-1, 1)  # -inf when disabled
+    x.masked_fill_(x < thr, -math.inf)
+
+
+def process_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Temperature, top-k, top-p, min-p → a new float32 [B, V] tensor (input untouched).
+
+    Masked entries are -inf. Greedy rows come out equal to their input (as float32).
+    """
+    x = logits.to(torch.float32, copy=True)
+    if st.any_temperature:
+        x.div_(st.temperature.view(-1, 1))
+    if st.max_top_k > 0:
+        _top_k(x, st)
+    if st.any_top_p:
+        x = _top_p(x, st)
+    if st.any_min_p:
+        _min_p(x, st)
+    return x
+
+
+def suppress(logits: Tensor, row_token_ids: Sequence[Sequence[int]]) -> Tensor:
+    """A copy of `logits` with row i's `row_token_ids[i]` set to -inf (min_tokens: EOS and
+    stop ids until min_tokens is reached). Returns `logits` itself when nothing is
+    suppressed. Not in place on purpose: raw logprobs are reported from the model's
+    unsuppressed logits (as vLLM does), so the caller keeps both.
+    """
+    if len(row_token_ids) != logits.shape[0]:
+        raise ValueError(f"{len(row_token_ids)} id lists for {logits.shape[0]} rows")
+    vocab = logits.shape[-1]
+    # An id past the logits (a tokenizer id the model cannot emit) needs no suppressing.
+    pairs = [(i, int(t)) for i, ids in enumerate(row_token_ids) for t in ids if 0 <= int(t) < vocab]
+    if not pairs:
+        return logits
+    rows, cols = zip(*pairs)
+    idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+    out = logits.clone()
+    out[idx[0], idx[1]] = -math.inf
+    return out
+
+
+def _exponential(
+    shape: tuple[int, int], device: torch.device, sampled_rows: list[int], generators: Sequence[torch.Generator | None]
+) -> Tensor:
+    """q ~ Exp(1) for the rows being sampled: seeded rows from their own generator.
+
+    Each seeded row draws exactly one fresh, contiguous [V] tensor per step, so its
+    stream is the same whatever the batch around it. Unseeded rows share one draw from
+    the default generator. Rows not being sampled get 1.0.
+    """
+    b, vocab = shape
+    seeded = [i for i in sampled_rows if generators[i] is not None]
+    unseeded = [i for i in sampled_rows if generators[i] is None]
+    if len(unseeded) == b:
+        return torch.empty(shape, device=device).exponential_()
+    q = torch.ones(shape, device=device)
+    if unseeded:
+        draw = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        q.index_copy_(0, torch.tensor(unseeded, device=device), draw)
+    if seeded:
+        draws = [torch.empty(vocab, device=device).exponential_(generator=generators[i]) for i in seeded]
+        q.index_copy_(0, torch.tensor(seeded, device=device), torch.stack(draws))
+    return q
+
+
+def sample(
+    logits: Tensor,
+    st: SamplingTensors,
+    generators: Sequence[torch.Generator | None],
+    processed: Tensor | None = None,
+) -> Tensor:
+    """One token per row: [B, V] logits (any float dtype) → [B] int64 on logits.device.
+
+    Greedy rows: argmax of `logits` (ties → lowest id). Other rows: an exact draw from
+    softmax(process_logits(logits)); pass `processed` if already computed (e.g. for
+    processed logprobs) to skip recomputing it. generators[i] must live on logits.device.
+    """
+    b = logits.shape[0]
+    if len(generators) != b or len(st.greedy_rows) != b:
+        raise ValueError(f"batch of {b} rows, {len(generators)} generators, {len(st.greedy_rows)} params")
+    sampled_rows = [i for i in range(b) if not st.greedy_rows[i]]
+    if not sampled_rows:
+        return logits.argmax(dim=-1)
+    x = process_logits(logits, st) if processed is None else processed.float()
+    probs = x.softmax(dim=-1)
+    q = _exponential(tuple(probs.shape), probs.device, sampled_rows, generators)
+    # torch.exponential_ has returned exact 0 on some CUDA builds; 0/0 = NaN would win
+    # the argmax, so floor q at the smallest normal float.
+    drawn = probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    if len(sampled_rows) == b:
+        return drawn
+    return torch.where(st.greedy, logits.argmax(dim=-1), drawn)
