@@ -112,3 +112,11 @@ async def create_test_topics(settings: KafkaSettings, partitions: int = 8):
 def make_topics():
     """``await make_topics(settings, partitions=8)`` creates the five topics."""
     return create_test_topics
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    """The built-in tiny spm model (built once into the genpipe cache)."""
+    from workers.generate.tinymodel import default_model_dir
+
+    return default_model_dir("spm")

@@ -113,7 +113,9 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
         dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 2)
         results = await read_topic(kafka_settings, kafka_settings.topic("results"), until=lambda r: len(r) >= 1)
         tp = TopicPartition(source, 0)
-        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 3, what="commit past all 3 records")
+        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 3 or task.done(),
+                       what="commit past all 3 records")
+        assert not task.done(), task.exception()
         stop.set()
         await task
         await worker_producer.stop()

@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES = [
     "workers.demo",
     "workers.broker.commands",
+    "workers.worker_commands",
     "workers.generate.commands",
     "workers.derender.commands",
     "workers.client_commands",

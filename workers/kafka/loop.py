@@ -21,6 +21,7 @@ from aiokafka.structs import OffsetAndMetadata
 from workers.kafka.clients import make_admin, make_consumer
 from workers.kafka.offsets import OffsetTracker
 from workers.kafka.settings import KafkaSettings
+from workers.metrics import update_lag
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ class Handler(Protocol):
 class ConsumerLoop:
     def __init__(self, settings: KafkaSettings, topic: str, group_id: str, handler: Handler | None, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
-                 group_instance_id: str | None = None, consumer_overrides: dict | None = None):
+                 group_instance_id: str | None = None, consumer_overrides: dict | None = None,
+                 worker: str = "worker"):
         self.settings = settings
+        self.worker = worker  # metrics label
         self.topic = topic
         self.group_id = group_id
         self.handler = handler
@@ -62,6 +65,10 @@ class ConsumerLoop:
         self.offsets: dict[TopicPartition, OffsetTracker] = {}
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._paused = False
+        # Partitions whose assignment callback has completed. aiokafka may hand out
+        # records of a new partition while the callback is still awaiting (reading the
+        # commit metadata); those are re-fetched once the handler knows the partition.
+        self._ready: set[TopicPartition] = set()
         overrides = dict(consumer_overrides or {})
         if group_instance_id:
             overrides["group_instance_id"] = group_instance_id  # static membership: no rebalance on quick restart
@@ -129,6 +136,7 @@ class ConsumerLoop:
                 for tp in revoked:
                     loop.offsets.pop(tp, None)
                     loop._committed.pop(tp, None)
+                    loop._ready.discard(tp)
 
             async def on_partitions_assigned(self, assigned):
                 assigned = list(assigned)
@@ -137,6 +145,7 @@ class ConsumerLoop:
                 for tp in assigned:
                     loop.offsets[tp] = OffsetTracker()
                 await loop.handler.on_assigned(assigned, metadata)
+                loop._ready.update(assigned)
                 if loop._paused and assigned:
                     loop.consumer.pause(*assigned)
                 loop.ready.set()
@@ -162,11 +171,15 @@ class ConsumerLoop:
             while not stop.is_set():
                 batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=self.max_records)
                 for tp, messages in batch.items():
+                    if tp not in self._ready:
+                        self.consumer.seek(tp, messages[0].offset)
+                        continue
                     tracker = self.tracker(tp)
                     for message in messages:
                         tracker.seen(message.offset)
                         await self.handler.handle(message)
                 await self.handler.tick()
+                update_lag(self.consumer, self.offsets, self.worker)
                 self._apply_backpressure()
                 if time.monotonic() - last_commit >= self.commit_interval_s:
                     await self.commit()

@@ -26,7 +26,7 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 stop: asyncio.Event | None = None, grace_s: float = 30.0,
                 background: Callable[[Publisher, ConsumerLoop, asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
-                on_ready: Callable[[], None] | None = None) -> int:
+                on_ready: Callable[[], None] | None = None, worker: str = "worker") -> int:
     """Run one worker until `stop` is set (or SIGTERM/SIGINT arrives); return an exit code."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -41,7 +41,7 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     producer = make_producer(settings, **(producer_overrides or {}))
     await producer.start()
     publisher = Publisher(producer, settings.topic("dlq"))
-    consumer_loop = ConsumerLoop(settings, topic, group_id, None, **(loop_options or {}))
+    consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
     consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
     tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]
     ready_task = None

@@ -1,0 +1,184 @@
+"""The generate worker on the real broker: requests in, ordered chunks out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
+from tests.kafka_helpers import read_topic
+from workers.generate.engine import Engine
+from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+from workers.kafka.clients import make_producer
+from workers.kafka.records import HEADER_DLQ_OFFSET, decode_message
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20)
+
+
+def run_alone(engine: Engine, requests: list[GenerateRequest]) -> dict[str, list[int]]:
+    """The reference: the engine in-process, no Kafka."""
+    tokens = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    return tokens
+
+
+def chunks_by_request(records) -> dict[str, list[GenerateChunk]]:
+    chunks: dict[str, list[GenerateChunk]] = {}
+    for record in records:
+        chunk = decode_message(record, GenerateChunk)
+        assert record.key.decode() == chunk.request_id
+        chunks.setdefault(chunk.request_id, []).append(chunk)
+    return chunks
+
+
+def finished(expected: set[str]):
+    def check(records) -> bool:
+        done = set()
+        for record in records:
+            chunk = decode_message(record, GenerateChunk)
+            if chunk.finish_reason is not None:
+                done.add(chunk.request_id)
+        return expected <= done
+    return check
+
+
+async def produce(settings, records: list[tuple[bytes | None, bytes, list]], partitions: int | None = None):
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for i, (key, value, headers) in enumerate(records):
+            await producer.send(settings.topic("requests"), value, key=key, headers=headers,
+                                partition=None if partitions is None else i % partitions)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def request_record(request: GenerateRequest):
+    return request.request_id.encode(), encode(request), headers_for(request)
+
+
+async def start_worker(settings, engine, **config):
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(run_generate_worker(
+        settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-gen", **config),
+        engine=engine, stop=stop, on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), 60)
+    return stop, task
+
+
+async def test_fifty_concurrent_requests_stream_ordered_chunks_equal_to_the_engine_alone(
+        kafka_settings, make_topics, engine, tiny_model_dir):
+    await make_topics(kafka_settings, partitions=4)
+    requests = []
+    for i in range(50):
+        sampling = SamplingParams(max_tokens=4 + (i * 7) % 20, temperature=0.0 if i % 3 else 0.8,
+                                  seed=1000 + i, logprobs=(i % 4) if i % 5 == 0 else None, ignore_eos=i % 2 == 0)
+        requests.append(GenerateRequest(request_id=f"req-{i}", prompt_token_ids=[1] + [10 + (i * 13 + j) % 300 for j in range(3 + i % 17)],
+                                        sampling=sampling, output=OutputOptions(kind="chat" if i % 2 else "completion")))
+    reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), requests)
+
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [request_record(r) for r in requests], partitions=4)
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=finished({r.request_id for r in requests}), timeout=180)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+
+    chunks = chunks_by_request(records)
+    partition_of = {}
+    for record in records:
+        partition_of.setdefault(record.key.decode(), set()).add(record.partition)
+    for i, request in enumerate(requests):
+        got = chunks[request.request_id]
+        assert [c.seq for c in got] == list(range(len(got))), "chunks in seq order, no gaps"
+        assert len({c.attempt for c in got}) == 1
+        assert got[-1].finish_reason in ("length", "stop") and all(c.finish_reason is None for c in got[:-1])
+        ids = [t for c in got for t in c.token_ids]
+        assert ids == reference[request.request_id], request.request_id
+        offsets = [c.token_offset for c in got]
+        assert offsets == [sum(len(c.token_ids) for c in got[:j]) for j in range(len(got))]
+        first = got[0]
+        assert first.prompt_token_count == len(request.prompt_token_ids)
+        assert first.prompt_tail_ids == request.prompt_token_ids[-8:]
+        assert first.output == request.output
+        assert all(c.output is None and c.prompt_tail_ids is None for c in got[1:])
+        if request.sampling.logprobs is not None:
+            entries = [e for c in got if c.logprobs for e in c.logprobs.content]
+            assert [e.token_id for e in entries] == ids
+            assert all(len(e.top_logprobs) == max(request.sampling.logprobs, 1) for e in entries)
+        else:
+            assert all(c.logprobs is None for c in got)
+        # the request went to partition i % 4 and its chunks stay on that partition number
+        assert partition_of[request.request_id] == {i % 4}
+
+
+async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):
+    await make_topics(kafka_settings, partitions=1)
+    bad_rule = GenerateRequest(request_id="bad-logprobs", prompt_token_ids=[1, 2],
+                               sampling=SamplingParams(logprobs=21))
+    bad_vocab = GenerateRequest(request_id="bad-vocab", prompt_token_ids=[1, 10**6])
+    good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3, temperature=0))
+    mistyped = b'{"request_id": "bad-type", "prompt_token_ids": "1 2 3"}'
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [
+            request_record(bad_rule), request_record(bad_vocab),
+            (b"garbage", b"\xc1\xc1 not a record", [("content-type", b"application/x-msgpack")]),
+            (b"bad-type", mistyped, [("content-type", b"application/json")]),
+            request_record(good)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=finished({"bad-logprobs", "bad-vocab", "bad-type", "good"}))
+        dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 1)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)
+    for request_id, message in [("bad-logprobs", "sampling.logprobs must be -1 or 0..20, got 21"),
+                                ("bad-vocab", "prompt_token_ids[1] = 1000000 is out of range"),
+                                ("bad-type", "prompt_token_ids: expected array, got str")]:
+        (chunk,) = chunks[request_id]
+        assert chunk.finish_reason == "error" and chunk.seq == 0 and chunk.token_ids == []
+        assert message in chunk.error.message
+    assert chunks["good"][-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks["good"]) == 3
+    assert dlq[0].value == b"\xc1\xc1 not a record" and dict(dlq[0].headers)[HEADER_DLQ_OFFSET] == b"2"
+
+
+async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_topics, engine):
+    await make_topics(kafka_settings, partitions=1)
+    long = GenerateRequest(request_id="long", prompt_token_ids=[1, 7],
+                           sampling=SamplingParams(max_tokens=None, ignore_eos=True, temperature=0))
+    late = GenerateRequest(request_id="late", prompt_token_ids=[1, 7], deadline_ms=int(time.time() * 1000) - 1)
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [request_record(long), request_record(late)])
+        # wait until "long" is streaming, then cancel it
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                         until=lambda rs: any(decode_message(r, GenerateChunk).request_id == "long" for r in rs))
+        producer = make_producer(kafka_settings)
+        await producer.start()
+        cancel = Cancel(request_id="long")
+        await producer.send_and_wait(kafka_settings.topic("cancel"), encode(cancel), key=b"long", headers=headers_for(cancel))
+        await producer.stop()
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=finished({"long", "late"}))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)
+    assert chunks["long"][-1].finish_reason == "abort"
+    assert chunks["late"][-1].finish_reason == "abort" and chunks["late"][-1].token_ids == []

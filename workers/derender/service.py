@@ -1,0 +1,41 @@
+"""Wiring one derender worker process: tables + state machine + the shared loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from workers.derender.worker import DerenderHandler
+from workers.kafka.runtime import serve
+from workers.kafka.settings import KafkaSettings
+
+
+@dataclass
+class DerenderWorkerConfig:
+    tokenizer: str | None = None  # None: the built-in tiny spm model's tokenizer
+    model_name: str = "genpipe-tiny"  # `model` in results when the request names none
+    max_logprobs: int = 20
+    group_id: str = "genpipe-derender"
+    grace_s: float = 10.0
+
+
+def load_derenderer(config: DerenderWorkerConfig):
+    from workers.derender.state import Derenderer
+    from workers.generate.tinymodel import default_model_dir
+
+    tokenizer = config.tokenizer or str(default_model_dir("spm"))
+    return Derenderer(tokenizer, model_name=config.model_name, max_logprobs=config.max_logprobs)
+
+
+async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerConfig, *,
+                              stop: asyncio.Event | None = None,
+                              on_ready: Callable[[], None] | None = None) -> int:
+    derenderer = load_derenderer(config)
+
+    def make_handler(publisher, consumer_loop):
+        return DerenderHandler(settings, publisher, consumer_loop, derenderer)
+
+    return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
+                       make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,
+                       worker="derender")

@@ -1,0 +1,163 @@
+"""The derender worker's Kafka logic: chunks in, OpenAI results out (SPEC §5.5).
+
+The pure state machine (`Derenderer`) does the work; this handler feeds it records in
+partition order, publishes its outputs, and keeps the commits honest:
+
+- offsets: per partition, commit the first offset of the oldest unfinished request (or
+  the next offset), so a new owner rebuilds every open request by replaying its chunks;
+- replay: the commit metadata records how far results were already published
+  (`published=<offset>`); records below that are re-processed to rebuild state, but
+  their results are not published again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiokafka import TopicPartition
+
+from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
+from workers.derender.state import CancelRequest, Derenderer
+from workers.kafka.loop import ConsumerLoop
+from workers.kafka.offsets import OffsetTracker
+from workers.kafka.publisher import Publisher
+from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.settings import KafkaSettings
+from workers.metrics import CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, RESULTS, TOKENS
+
+W = "derender"  # metrics label
+
+log = logging.getLogger(__name__)
+
+METADATA_PREFIX = "published="
+
+
+def parse_published(metadata: str | None) -> int:
+    """`published=<offset>` → offset; anything else → 0 (publish everything)."""
+    if metadata and metadata.startswith(METADATA_PREFIX):
+        try:
+            return int(metadata[len(METADATA_PREFIX):])
+        except ValueError:
+            pass
+    return 0
+
+
+class DerenderHandler:
+    def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
+                 derenderer: Derenderer):
+        self.settings = settings
+        self.publisher = publisher
+        self.consumer_loop = consumer_loop
+        self.derenderer = derenderer
+        self.results_topic = settings.topic("results")
+        self.cancel_topic = settings.topic("cancel")
+        self.request_start: dict[str, tuple[TopicPartition, int]] = {}  # open request -> first offset
+        self.published: dict[TopicPartition, OffsetTracker] = {}  # records whose results are acked
+        self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
+
+    async def handle(self, message) -> None:
+        tp = TopicPartition(message.topic, message.partition)
+        offsets = self.consumer_loop.tracker(tp)
+        published = self.published.setdefault(tp, OffsetTracker())
+        published.seen(message.offset)
+        try:
+            chunk = decode_message(message, GenerateChunk)
+        except RecordError as exc:
+            DLQ.labels(W).inc()
+            if message.offset >= self.publish_from.get(tp, 0):
+                offsets.hold(message.offset)
+                future = await self.publisher.to_dlq(message, str(exc))
+                future.add_done_callback(lambda f: self._release(tp, message.offset))
+            return
+        CHUNKS.labels(W).inc()
+        TOKENS.labels(W).inc(len(chunk.token_ids))
+        rid = chunk.request_id
+        outputs = self.derenderer.process(chunk)
+        if rid not in self.request_start and self.derenderer.is_active(rid):
+            self.request_start[rid] = (tp, message.offset)
+            offsets.hold(message.offset)  # pins the commit until the request is finished
+        replaying = message.offset < self.publish_from.get(tp, 0)
+        finished = rid in self.request_start and not self.derenderer.is_active(rid)
+        if replaying:
+            if finished:
+                self._finish(rid, None)
+            return
+        last_future = None
+        if outputs:
+            published.hold(message.offset)
+        for output in outputs:
+            last_future = await self.publisher.publish(self._outgoing(output, tp))
+        if outputs and chunk.sampled_at_ns:
+            DERENDER_LATENCY.labels(W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
+        IN_FLIGHT.labels(W).set(len(self.request_start))
+        if last_future is not None:
+            last_future.add_done_callback(lambda f: self._acked(tp, message.offset, f))
+        if finished:
+            self._finish(rid, last_future)
+
+    def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
+        if isinstance(output, CancelRequest):
+            return Outgoing(self.cancel_topic, output.request_id,
+                            Cancel(request_id=output.request_id, reason=output.reason), MSGPACK)
+        RESULTS.labels(W).inc()
+        if output.final and isinstance(output.value, ErrorResponse):
+            ERRORS.labels(W).inc()
+        # The default results topic shares the chunk topic's partition count: keep the
+        # request on its partition number. A reply topic may have fewer (the publisher
+        # then falls back to key hashing).
+        return Outgoing(output.reply_topic or self.results_topic, output.request_id, output.value, JSON,
+                        headers=output.headers, partition=tp.partition)
+
+    def _acked(self, tp: TopicPartition, offset: int, future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # not published: keep the watermark below it, so a replay publishes again
+        tracker = self.published.get(tp)
+        if tracker is not None:
+            tracker.release(offset)
+
+    def _finish(self, request_id: str, last_future) -> None:
+        tp, first_offset = self.request_start.pop(request_id)
+        if last_future is None:
+            self._release(tp, first_offset)
+        else:
+            last_future.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else self._release(tp, first_offset))
+
+    def _release(self, tp: TopicPartition, offset: int) -> None:
+        tracker = self.consumer_loop.offsets.get(tp)
+        if tracker is not None:
+            tracker.release(offset)
+
+    # --- loop hooks ----------------------------------------------------------------------
+
+    def commit_metadata(self, tp: TopicPartition) -> str:
+        tracker = self.published.get(tp)
+        done = tracker.committable() if tracker is not None else None
+        return f"{METADATA_PREFIX}{max(done or 0, self.publish_from.get(tp, 0))}"
+
+    async def on_assigned(self, partitions, metadata) -> None:
+        for tp in partitions:
+            self.publish_from[tp] = parse_published(metadata.get(tp))
+            self.published[tp] = OffsetTracker()
+            if self.publish_from[tp]:
+                log.info("partition %d: results up to offset %d were published before; replaying quietly",
+                         tp.partition, self.publish_from[tp])
+
+    async def on_revoked(self, partitions) -> None:
+        revoked = set(partitions)
+        dropped = [rid for rid, (tp, _) in self.request_start.items() if tp in revoked]
+        self.derenderer.forget(dropped)
+        for rid in dropped:
+            del self.request_start[rid]
+        # `published`/`publish_from` stay: the loop commits the revoked partitions right
+        # after this, with their metadata; on_assigned starts them afresh.
+
+    async def tick(self) -> None:
+        pass
+
+    def wants_pause(self) -> bool:
+        return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
+
+    async def drain(self, deadline: float) -> None:
+        await self.publisher.flush()

@@ -1,0 +1,65 @@
+"""The engine's own thread: model steps never run on the asyncio event loop.
+
+Kafka heartbeats, fetches and acks are tasks on the loop (NOTES.md); a model step that
+blocked it would get the worker evicted from its group. The thread steps the engine
+while it has work and hands each step's outputs to the loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Callable
+
+from workers.metrics import BATCH_SIZE, STEP_TIME
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    def __init__(self, engine, on_outputs: Callable[[list], None], loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._loop = loop
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="genpipe-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, request) -> None:
+        """Validate and queue (raises schemas ValidationError); the thread admits it next step."""
+        self.engine.add(request)
+        self._wake.set()
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.engine.abort(request_id, reason)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs = self.engine.step()
+                STEP_TIME.labels("generate").observe(time.perf_counter() - started)
+                BATCH_SIZE.labels("generate").observe(len(outputs))
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+        except BaseException as exc:  # surface to the worker, which exits non-zero
+            log.exception("engine thread failed")
+            self.failure = exc
+            self._loop.call_soon_threadsafe(self._on_outputs, [])

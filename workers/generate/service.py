@@ -1,0 +1,80 @@
+"""Wiring one generate worker process: engine + engine thread + cancel follower + loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from schemas import Cancel, RecordError
+from workers.generate.engine_thread import EngineThread
+from workers.generate.worker import ChunkPolicy, GenerateHandler
+from workers.kafka.follow import follow
+from workers.kafka.records import decode_message
+from workers.kafka.runtime import serve
+from workers.kafka.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateWorkerConfig:
+    model: str | None = None  # None: the built-in tiny spm model
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 32
+    max_model_len: int | None = None
+    prefill_chunk: int = 512
+    max_logprobs: int = 20
+    group_id: str = "genpipe-generate"
+    grace_s: float = 30.0
+    cancel_lookback_s: float = 300.0  # cancels this old still stop a request that arrives late
+    policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+
+
+def load_engine(config: GenerateWorkerConfig):
+    from workers.generate.engine import Engine
+    from workers.generate.tinymodel import default_model_dir
+
+    model_dir = config.model or str(default_model_dir("spm"))
+    return Engine(model_dir, device=config.device, dtype=config.dtype, max_batch=config.max_batch,
+                  max_model_len=config.max_model_len, prefill_chunk=config.prefill_chunk,
+                  max_logprobs=config.max_logprobs)
+
+
+async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
+                              stop: asyncio.Event | None = None,
+                              on_ready: Callable[[], None] | None = None) -> int:
+    engine = engine if engine is not None else load_engine(config)
+    loop = asyncio.get_running_loop()
+    holder: dict = {}
+
+    def make_handler(publisher, consumer_loop):
+        thread = EngineThread(engine, lambda outputs: holder["handler"].on_outputs(outputs), loop)
+        handler = GenerateHandler(settings, publisher, consumer_loop, thread, max_running=config.max_batch * 2)
+        handler.policy = config.policy
+        holder["handler"], holder["thread"] = handler, thread
+        thread.start()
+        return handler
+
+    def on_cancel(message) -> None:
+        try:
+            cancel = decode_message(message, Cancel)
+        except RecordError as exc:  # every worker reads this topic: log, don't DLQ n copies
+            log.warning("unreadable cancel at %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc)
+            return
+        holder["handler"].cancel(cancel.request_id)
+
+    def background(publisher, consumer_loop, stop_event):
+        since = int((time.time() - config.cancel_lookback_s) * 1000)
+        return [follow(settings, settings.topic("cancel"), on_cancel, stop_event, since_ms=since)]
+
+    try:
+        return await serve(settings, topic=settings.topic("requests"), group_id=config.group_id,
+                           make_handler=make_handler, stop=stop, grace_s=config.grace_s,
+                           background=background, on_ready=on_ready, worker="generate")
+    finally:
+        if "thread" in holder:
+            holder["thread"].stop()

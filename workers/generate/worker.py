@@ -1,0 +1,280 @@
+"""The generate worker's Kafka logic: requests in, token chunks out (SPEC §4).
+
+The shared loop (workers/kafka/loop.py) consumes requests and commits; this handler
+decodes and validates them, feeds the engine thread, turns engine outputs into chunks
+(coalescing tokens while the producer lags), and holds each request's offset until its
+final chunk is acknowledged, so a crash re-runs unfinished requests and loses none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiokafka import TopicPartition
+
+from schemas import (ChunkError, DecodeError, GenerateChunk, GenerateLogProbs, GenerateRequest,
+                     ValidationError, peek_request_id)
+from workers.kafka.loop import ConsumerLoop
+from workers.kafka.publisher import Publisher
+from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.settings import KafkaSettings
+from workers.metrics import CHUNKS, DLQ, ERRORS, IN_FLIGHT, INTER_TOKEN, REQUESTS, TOKENS, TTFT
+
+log = logging.getLogger(__name__)
+
+W = "generate"  # metrics label
+PROMPT_TAIL = 8  # prompt ids sent on chunk 0 to seed the detokenizer (SPEC §3)
+
+
+@dataclass
+class ChunkPolicy:
+    """When to publish a request's pending tokens (SPEC §4 coalescing)."""
+
+    lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
+    max_tokens: int = 16  # at most this many tokens per chunk while coalescing
+    max_delay_s: float = 0.02  # never hold a token longer than this
+
+    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
+        if pending == 0:
+            return False
+        return in_flight < self.lag_threshold or pending >= self.max_tokens or waited_s >= self.max_delay_s
+
+
+@dataclass
+class InFlight:
+    request: GenerateRequest
+    tp: TopicPartition
+    offset: int
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    seq: int = 0
+    token_offset: int = 0  # output index of the first pending token
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)
+    pending_since: float = 0.0
+    prompt_logprobs: list | None = None
+    sampled_at_ns: int | None = None
+    closed: bool = False  # the final chunk is taken: nothing may follow it
+    received_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+
+
+def first_chunk_fields(request: GenerateRequest, prompt_logprobs=None) -> dict:
+    """What chunk seq 0 carries besides tokens: prompt facts and the pass-through options."""
+    return dict(
+        prompt_token_count=len(request.prompt_token_ids),
+        prompt_tail_ids=request.prompt_token_ids[-PROMPT_TAIL:],
+        prompt_logprobs=prompt_logprobs,
+        output=request.output,
+        reply_topic=request.reply_topic,
+    )
+
+
+class GenerateHandler:
+    def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
+                 engine_thread, *, max_running: int, policy: ChunkPolicy | None = None):
+        self.settings = settings
+        self.publisher = publisher
+        self.consumer_loop = consumer_loop
+        self.engine = engine_thread
+        self.max_running = max_running
+        self.policy = policy or ChunkPolicy()
+        self.chunk_topic = settings.topic("chunks")
+        self.inflight: dict[str, InFlight] = {}
+        # Taking a chunk (which numbers it) and handing it to the producer happen under
+        # one lock, so a partition receives every request's chunks in seq order.
+        self._publish_lock = asyncio.Lock()
+        self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
+
+    # --- requests in ------------------------------------------------------------------
+
+    async def handle(self, message) -> None:
+        tp = TopicPartition(message.topic, message.partition)
+        tracker = self.consumer_loop.tracker(tp)
+        tracker.hold(message.offset)
+        try:
+            request = decode_message(message, GenerateRequest)
+        except ValidationError as exc:
+            request_id = peek_request_id(message.value, message.headers)
+            if request_id is None:  # nobody to answer: keep the bytes for an operator
+                await self._to_dlq(message, tp, f"invalid request without a readable request_id: {exc}")
+            else:
+                await self._reject(GenerateRequest(request_id=request_id, prompt_token_ids=[]), tp,
+                                   message.offset, str(exc))
+            return
+        except DecodeError as exc:
+            await self._to_dlq(message, tp, str(exc))
+            return
+        REQUESTS.labels(W, "accepted").inc()
+        if request.request_id in self.inflight:
+            # The same request twice at once (a producer retry): the running one answers.
+            log.warning("request %s already running; duplicate at offset %d dropped",
+                        request.request_id, message.offset)
+            tracker.release(message.offset)
+            return
+        state = InFlight(request, tp, message.offset)
+        if request.request_id in self.cancelled or _expired(request):
+            await self._publish_final(state, "abort")
+            return
+        try:
+            self.engine.add(request)
+        except ValidationError as exc:
+            await self._reject(request, tp, message.offset, str(exc))
+            return
+        self.inflight[request.request_id] = state
+        IN_FLIGHT.labels(W).set(len(self.inflight))
+
+    async def _to_dlq(self, message, tp: TopicPartition, error: str) -> None:
+        DLQ.labels(W).inc()
+        future = await self.publisher.to_dlq(message, error)
+        self._release_when_acked(future, tp, message.offset)
+
+    async def _reject(self, request: GenerateRequest, tp: TopicPartition, offset: int, error: str) -> None:
+        REQUESTS.labels(W, "invalid").inc()
+        ERRORS.labels(W).inc()
+        state = InFlight(request, tp, offset)
+        await self._publish_final(state, "error", error=ChunkError(message=error))
+
+    # --- chunks out -------------------------------------------------------------------
+
+    def on_outputs(self, outputs: list) -> None:
+        """Called on the event loop with one engine step's outputs."""
+        now = time.monotonic()
+        finals = []
+        for out in outputs:
+            state = self.inflight.get(out.request_id)
+            if state is None:
+                continue  # stopped on revoke/shutdown: its next owner re-runs it
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
+            if out.token_ids:
+                if state.last_token_at is None:
+                    TTFT.labels(W).observe(now - state.received_at)
+                else:
+                    INTER_TOKEN.labels(W).observe(now - state.last_token_at)
+                state.last_token_at = now
+                if not state.pending_ids:
+                    state.pending_since = now
+                state.pending_ids.extend(out.token_ids)
+                if out.logprobs is not None:
+                    state.pending_logprobs.extend(out.logprobs)
+                state.sampled_at_ns = out.sampled_at_ns
+            if out.finish_reason is not None:
+                finals.append((state, out))
+        for state, _ in finals:
+            del self.inflight[state.request.request_id]
+        IN_FLIGHT.labels(W).set(len(self.inflight))
+        asyncio.ensure_future(self._publish_step(finals))
+
+    async def _publish_step(self, finals: list) -> None:
+        for state, out in finals:
+            await self._publish_final(state, out.finish_reason, stop_token_id=out.stop_token_id)
+        await self._flush_ready()
+
+    async def _flush_ready(self) -> None:
+        now = time.monotonic()
+        for state in list(self.inflight.values()):
+            if self.policy.should_flush(len(state.pending_ids), now - state.pending_since,
+                                        self.publisher.in_flight):
+                await self._publish_chunk(state)
+
+    def _take_chunk(self, state: InFlight, finish_reason=None, **extra) -> GenerateChunk:
+        request = state.request
+        chunk = GenerateChunk(
+            request_id=request.request_id, attempt=state.attempt, seq=state.seq,
+            token_offset=state.token_offset, token_ids=state.pending_ids,
+            logprobs=(GenerateLogProbs(content=state.pending_logprobs)
+                      if request.sampling.logprobs is not None and state.pending_ids else None),
+            finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
+        if state.seq == 0:
+            for name, value in first_chunk_fields(request, state.prompt_logprobs).items():
+                setattr(chunk, name, value)
+        CHUNKS.labels(W).inc()
+        TOKENS.labels(W).inc(len(state.pending_ids))
+        state.seq += 1
+        state.token_offset += len(state.pending_ids)
+        state.pending_ids, state.pending_logprobs = [], []
+        return chunk
+
+    def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
+        # Same partition number as the request: one request's records stay on one
+        # partition number end to end (SPEC §2), whatever partitioner the client used.
+        return Outgoing(self.chunk_topic, state.request.request_id, chunk, partition=state.tp.partition)
+
+    async def _publish_chunk(self, state: InFlight) -> None:
+        async with self._publish_lock:
+            if state.closed or not state.pending_ids:
+                return
+            await self.publisher.publish(self._outgoing(state, self._take_chunk(state)))
+
+    async def _publish_final(self, state: InFlight, finish_reason: str, error: ChunkError | None = None,
+                             stop_token_id: int | None = None) -> None:
+        if finish_reason != "error":  # errors were counted as "invalid" when rejected
+            REQUESTS.labels(W, finish_reason).inc()
+        async with self._publish_lock:
+            state.closed = True
+            chunk = self._take_chunk(state, finish_reason, error=error, stop_token_id=stop_token_id)
+            future = await self.publisher.publish(self._outgoing(state, chunk))
+        self._release_when_acked(future, state.tp, state.offset)
+
+    def _release_when_acked(self, future: asyncio.Future, tp: TopicPartition, offset: int) -> None:
+        def release(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return  # not acknowledged: keep holding, the next owner re-runs it
+            tracker = self.consumer_loop.offsets.get(tp)
+            if tracker is not None:
+                tracker.release(offset)
+        future.add_done_callback(release)
+
+    # --- cancels, deadlines, timers -------------------------------------------------------
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled[request_id] = time.monotonic()
+        if len(self.cancelled) > 100_000:  # forget the oldest half
+            for key in list(self.cancelled)[:50_000]:
+                del self.cancelled[key]
+        if request_id in self.inflight:
+            self.engine.abort(request_id, "abort")
+
+    async def tick(self) -> None:
+        if self.engine.failure is not None:
+            raise RuntimeError(f"engine failed: {self.engine.failure!r}")
+        for request_id, state in list(self.inflight.items()):
+            if _expired(state.request):
+                self.engine.abort(request_id, "abort")
+        await self._flush_ready()
+
+    def wants_pause(self) -> bool:
+        return len(self.inflight) >= self.max_running
+
+    # --- rebalance, shutdown ------------------------------------------------------------
+
+    async def on_assigned(self, partitions, metadata) -> None:
+        pass
+
+    async def on_revoked(self, partitions) -> None:
+        revoked = set(partitions)
+        for request_id, state in list(self.inflight.items()):
+            if state.tp in revoked:
+                state.closed = True
+                del self.inflight[request_id]  # no abort chunk: the new owner re-runs it
+                self.engine.abort(request_id, "abort")
+
+    def commit_metadata(self, tp) -> str:
+        return ""
+
+    async def drain(self, deadline: float) -> None:
+        while self.inflight and time.monotonic() < deadline:
+            await self._flush_ready()
+            await asyncio.sleep(0.01)  # yield to the engine's outputs; bounded by the deadline
+        if self.inflight:
+            log.warning("grace period over: %d requests left for the next owner", len(self.inflight))
+            await self.on_revoked({state.tp for state in self.inflight.values()})
+        await self.publisher.flush()
+
+
+def _expired(request: GenerateRequest) -> bool:
+    return request.deadline_ms is not None and request.deadline_ms <= time.time() * 1000

@@ -1,0 +1,49 @@
+"""Prometheus metrics of both workers, defined once (SPEC §7, `--metrics-port`).
+
+Names follow Prometheus conventions (`genpipe_<thing>_<unit>`); the `worker` label says
+which side counted. Served by prometheus_client's own HTTP server thread, so scraping
+never touches the event loop or the engine thread.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+REQUESTS = Counter("genpipe_requests_total", "Requests taken, by outcome", ["worker", "outcome"])
+TOKENS = Counter("genpipe_tokens_total", "Tokens generated (generate) or rendered (derender)", ["worker"])
+CHUNKS = Counter("genpipe_chunks_total", "Chunk records published (generate) or consumed (derender)", ["worker"])
+RESULTS = Counter("genpipe_results_total", "Result records published", ["worker"])
+ERRORS = Counter("genpipe_errors_total", "Requests ended with an error result or chunk", ["worker"])
+DLQ = Counter("genpipe_dlq_records_total", "Records copied to the DLQ", ["worker"])
+IN_FLIGHT = Gauge("genpipe_in_flight_requests", "Requests started and not finished", ["worker"])
+BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["worker"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])
+TTFT = Histogram("genpipe_time_to_first_token_seconds", "Request read to first token sampled", ["worker"],
+                 buckets=_LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("genpipe_inter_token_latency_seconds", "Between a request's consecutive tokens",
+                        ["worker"], buckets=_LATENCY_BUCKETS)
+STEP_TIME = Histogram("genpipe_step_time_seconds", "One engine step (prefill and decode)", ["worker"],
+                      buckets=_LATENCY_BUCKETS)
+DERENDER_LATENCY = Histogram("genpipe_derender_latency_seconds",
+                             "Token sampled (chunk sampled_at_ns) to its result handed to the producer",
+                             ["worker"], buckets=_LATENCY_BUCKETS)
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=addr)
+
+
+def update_lag(consumer, offsets: dict, worker: str) -> None:
+    """Sum over assigned partitions of (high watermark - next offset to read), where known."""
+    lag = 0
+    assigned = consumer.assignment()
+    for tp, tracker in offsets.items():
+        if tp not in assigned:
+            continue  # being revoked: highwater() asserts on unassigned partitions
+        high = consumer.highwater(tp)
+        if high is not None and tracker.next_offset is not None:
+            lag += max(0, high - tracker.next_offset)
+    CONSUMER_LAG.labels(worker).set(lag)

@@ -1,0 +1,119 @@
+"""`genpipe generate-worker` and `genpipe derender-worker`: the two long-running processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from workers.kafka.settings import KafkaSettings
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    KafkaSettings.add_arguments(parser)
+    parser.add_argument("--group-id", help="consumer group (default genpipe-generate / genpipe-derender)")
+    parser.add_argument("--metrics-port", type=int, default=_env_int("GENPIPE_METRICS_PORT", 0),
+                        help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
+    parser.add_argument("--max-logprobs", type=int, default=_env_int("GENPIPE_MAX_LOGPROBS", 20),
+                        help="largest logprobs/top_logprobs a request may ask for; -1 = no cap "
+                             "(env GENPIPE_MAX_LOGPROBS; default %(default)s). Use the same value "
+                             "for both workers.")
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="seconds to finish in-flight work after SIGTERM")
+    parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+    from workers.generate.worker import ChunkPolicy
+
+    _setup_logging(args.log_level)
+    settings = KafkaSettings.from_args(args, client_id="genpipe-generate")
+    config = GenerateWorkerConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+        max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
+        group_id=args.group_id or "genpipe-generate",
+        grace_s=args.grace_period if args.grace_period is not None else 30.0,
+        policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
+    return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
+
+
+def _run_derender(args: argparse.Namespace) -> int:
+    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+
+    _setup_logging(args.log_level)
+    settings = KafkaSettings.from_args(args, client_id="genpipe-derender")
+    config = DerenderWorkerConfig(
+        tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
+        group_id=args.group_id or "genpipe-derender",
+        grace_s=args.grace_period if args.grace_period is not None else 10.0)
+    return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
+
+
+def _ready(name: str):
+    def announce() -> None:
+        logging.getLogger("genpipe").info("%s worker ready (partitions assigned)", name)
+    return announce
+
+
+def _serve_with_metrics(args: argparse.Namespace, coroutine) -> int:
+    if args.metrics_port:
+        from workers.metrics import start_metrics_server
+
+        start_metrics_server(args.metrics_port)
+    try:
+        return asyncio.run(coroutine)
+    except KeyboardInterrupt:
+        return 0
+
+
+def register(sub) -> None:
+    gen = sub.add_parser(
+        "generate-worker", help="run a generate worker: requests in, token chunks out",
+        description="Consume GenerateRequest records from <prefix>.requests (consumer group), run the "
+                    "model with continuous batching, and publish every sampled token as GenerateChunk "
+                    "records with integer-id logprobs to <prefix>.chunks. Cancels are read from "
+                    "<prefix>.cancel; undecodable records go to <prefix>.dlq. SIGTERM: stop taking "
+                    "requests, finish in-flight ones within the grace period, commit, exit 0 "
+                    "(requests still running then are left uncommitted, and re-run by the next owner).")
+    gen.add_argument("--model", default=os.environ.get("GENPIPE_MODEL"),
+                     help="local Hugging Face causal-LM directory (env GENPIPE_MODEL; default: the "
+                          "built-in tiny model, built into the cache on first use)")
+    gen.add_argument("--device", default=os.environ.get("GENPIPE_DEVICE", "cpu"), help="cpu or cuda (default %(default)s)")
+    gen.add_argument("--dtype", default=os.environ.get("GENPIPE_DTYPE", "float32"),
+                     choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--max-batch", type=int, default=_env_int("GENPIPE_MAX_BATCH", 32),
+                     help="requests decoded together (KV cache rows; default %(default)s)")
+    gen.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    gen.add_argument("--prefill-chunk", type=int, default=512,
+                     help="prompt tokens prefilled per step, so long prompts don't stall decoding")
+    gen.add_argument("--coalesce-max-tokens", type=int, default=16,
+                     help="when the producer lags, at most this many tokens per chunk")
+    gen.add_argument("--coalesce-max-delay-ms", type=float, default=20.0,
+                     help="when the producer lags, hold a token at most this long")
+    _common(gen)
+    gen.set_defaults(func=_run_generate)
+
+    der = sub.add_parser(
+        "derender-worker", help="run a derender worker: chunks in, OpenAI results out",
+        description="Consume GenerateChunk records from <prefix>.chunks (consumer group), turn ids into "
+                    "text and OpenAI-shaped logprobs (with byte-fallback correction), and publish chat / "
+                    "completion results (JSON) to <prefix>.results or the request's reply_topic. Stop "
+                    "strings publish a Cancel to <prefix>.cancel.")
+    der.add_argument("--tokenizer", default=os.environ.get("GENPIPE_TOKENIZER"),
+                     help="local Hugging Face tokenizer directory (env GENPIPE_TOKENIZER; default: "
+                          "the built-in tiny model's)")
+    der.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", "genpipe-tiny"),
+                     help="`model` in results when the request names none (default %(default)s)")
+    _common(der)
+    der.set_defaults(func=_run_derender)
