@@ -1,0 +1,167 @@
+"""The derender worker on the real broker: chunks in, results out, restarts lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from aiokafka import TopicPartition
+
+from schemas import JSON, OutputOptions, encode, headers_for
+from schemas.openai import OpenAIResult
+from tests.derender_support import make_chunks, position
+from tests.kafka_helpers import read_topic
+from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+from workers.derender.state import Derenderer, Result
+from workers.derender.worker import parse_published
+from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.records import HEADER_ATTEMPT, HEADER_FINAL, HEADER_SEQ
+from schemas import decode_record
+
+pytestmark = pytest.mark.kafka
+PARTITIONS = 3
+
+
+def synthetic_requests(tokenizer_dir, n: int, seed: int = 7):
+    """n requests of random ids (byte pieces included), mixed kinds, streaming and logprobs."""
+    rng = random.Random(seed)
+    vocab = Derenderer(str(tokenizer_dir)).tables.size
+    requests = {}
+    for i in range(n):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))]
+        sizes, left = [], len(ids)
+        while left:
+            sizes.append(min(left, rng.randrange(1, 4)))
+            left -= sizes[-1]
+        with_lp = i % 3 == 0
+        output = OutputOptions(kind="chat" if i % 2 else "completion", stream=i % 4 != 1,
+                               top_logprobs=2 if with_lp else 0, include_usage=True, model="tiny")
+        positions = [position(t, [t, (t + 1) % vocab, (t + 2) % vocab], 3) for t in ids] if with_lp else None
+        requests[f"req-{i}"] = make_chunks(f"req-{i}", ids, sizes, output=output, positions=positions,
+                                           prompt_tail=[1, 5, 6])
+    return requests
+
+
+def expected_results(tokenizer_dir, requests) -> dict[str, list]:
+    derenderer = Derenderer(str(tokenizer_dir), model_name="genpipe-tiny")
+    expected = {}
+    for request_id, chunks in requests.items():
+        expected[request_id] = [out.value for chunk in chunks for out in derenderer.process(chunk)
+                                if isinstance(out, Result)]
+    return expected
+
+
+def interleave(requests, rng: random.Random):
+    """Every request's chunks in order, requests interleaved at random."""
+    queues = {rid: list(chunks) for rid, chunks in requests.items()}
+    order = []
+    while queues:
+        rid = rng.choice(sorted(queues))
+        order.append(queues[rid].pop(0))
+        if not queues[rid]:
+            del queues[rid]
+    return order
+
+
+async def produce_chunks(settings, chunks, partition_of):
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for chunk in chunks:
+            await producer.send(settings.topic("chunks"), encode(chunk), key=chunk.request_id.encode(),
+                                headers=headers_for(chunk), partition=partition_of[chunk.request_id])
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def results_by_request(records):
+    got: dict[str, list] = {}
+    keys: dict[str, list] = {}
+    for record in records:
+        headers = dict(record.headers)
+        assert headers["content-type"] == JSON.encode()
+        value = decode_record(record.value, record.headers, OpenAIResult)
+        rid = record.key.decode()
+        got.setdefault(rid, []).append(value)
+        keys.setdefault(rid, []).append((headers[HEADER_ATTEMPT], int(headers[HEADER_SEQ]), HEADER_FINAL in headers))
+    return got, keys
+
+
+def all_final(request_ids):
+    return lambda records: request_ids <= {r.key.decode() for r in records if HEADER_FINAL in dict(r.headers)}
+
+
+async def start_worker(settings, tokenizer_dir):
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.ensure_future(run_derender_worker(
+        settings, DerenderWorkerConfig(tokenizer=str(tokenizer_dir), group_id=f"{settings.topic_prefix}-der"),
+        stop=stop, on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), 60)
+    return stop, task
+
+
+async def test_interleaved_requests_over_partitions_get_their_results_in_order(kafka_settings, make_topics,
+                                                                             tiny_model_dir):
+    await make_topics(kafka_settings, partitions=PARTITIONS)
+    requests = synthetic_requests(tiny_model_dir, 30)
+    expected = expected_results(tiny_model_dir, requests)
+    partition_of = {rid: i % PARTITIONS for i, rid in enumerate(requests)}
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, interleave(requests, random.Random(1)), partition_of)
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), until=all_final(set(requests)))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    got, keys = results_by_request(records)
+    assert got == expected
+    for record in records:  # results stay on their request's partition number
+        assert record.partition == partition_of[record.key.decode()]
+    for rid, entries in keys.items():
+        assert [seq for _, seq, _ in entries] == sorted(seq for _, seq, _ in entries)
+        assert [final for _, _, final in entries] == [False] * (len(entries) - 1) + [True]
+
+
+async def test_restart_mid_stream_completes_every_request_without_republishing(kafka_settings, make_topics,
+                                                                               tiny_model_dir):
+    await make_topics(kafka_settings, partitions=PARTITIONS)
+    requests = synthetic_requests(tiny_model_dir, 24, seed=11)
+    expected = expected_results(tiny_model_dir, requests)
+    partition_of = {rid: i % PARTITIONS for i, rid in enumerate(requests)}
+    order = interleave(requests, random.Random(2))
+    half = len(order) // 2
+    first_half_finals = {c.request_id for c in order[:half] if c.finish_reason}
+
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    await produce_chunks(kafka_settings, order[:half], partition_of)
+    await read_topic(kafka_settings, kafka_settings.topic("results"), until=all_final(first_half_finals))
+    stop.set()  # SIGTERM-like: flush and commit with the published watermark
+    assert await asyncio.wait_for(task, 60) == 0
+
+    group = f"{kafka_settings.topic_prefix}-der"
+    tps = [TopicPartition(kafka_settings.topic("chunks"), p) for p in range(PARTITIONS)]
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+    finally:
+        await admin.close()
+    open_requests = set(requests) - first_half_finals
+    # unfinished requests pin the commit, and the metadata says how far results went out
+    assert any(committed[tp].offset < parse_published(committed[tp].metadata) for tp in tps) or not open_requests
+    before = await read_topic(kafka_settings, kafka_settings.topic("results"), until=all_final(first_half_finals))
+
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, order[half:], partition_of)
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), until=all_final(set(requests)))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    got, keys = results_by_request(records)
+    for rid, entries in keys.items():
+        assert len(entries) == len(set(entries)), f"{rid}: a result was published twice"
+    assert got == expected
+    assert len(records) >= len(before)
