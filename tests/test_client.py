@@ -1,0 +1,430 @@
+"""The client library and the user commands (submit, tail, replay) against a real pipeline.
+
+One generate and one derender worker run in-process as asyncio tasks on the session
+loop; the CLI commands run `workers.cli.main` in a thread (they call asyncio.run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from schemas import (Cancel, ChatCompletion, ChatCompletionChunk, ChatCompletionStreamChoice, Completion,
+                     DeltaMessage, ErrorResponse, GenerateChunk, JSON, encode, headers_for)
+from tests.kafka_helpers import read_topic
+from workers.cli import main
+from workers.client import (AttemptFilter, GenpipeClient, GenpipeError, GenpipeTimeout, Restart, assemble,
+                            load_tokenizer, make_request, render_chat, render_prompt)
+from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.follow import follow
+from workers.kafka.records import decode_message
+
+pytestmark = pytest.mark.kafka
+
+
+# --- fixtures and helpers ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from workers.generate.engine import Engine
+
+    return Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20)
+
+
+@pytest.fixture
+async def pipeline(kafka_settings, make_topics, engine):
+    """Topics plus one generate and one derender worker; yields the settings."""
+    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+    from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+
+    await make_topics(kafka_settings, partitions=2)
+    prefix = kafka_settings.topic_prefix
+    stops, tasks = [], []
+    try:
+        for run, config, kwargs in (
+                (run_generate_worker, GenerateWorkerConfig(group_id=f"{prefix}-gen", max_batch=16),
+                 {"engine": engine}),
+                (run_derender_worker, DerenderWorkerConfig(group_id=f"{prefix}-der"), {})):
+            stop, ready = asyncio.Event(), asyncio.Event()
+            task = asyncio.ensure_future(run(kafka_settings, config, stop=stop, on_ready=ready.set, **kwargs))
+            stops.append(stop)
+            tasks.append(task)
+            waiter = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([task, waiter], timeout=90, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            assert ready.is_set(), f"{run.__name__} did not become ready: " + (
+                repr(task.exception()) if task.done() else "timeout after 90 s")
+        yield kafka_settings
+    finally:
+        for stop in stops:
+            stop.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        assert results == [0] * len(tasks), results
+
+
+async def create_topic(settings, name: str, partitions: int = 2) -> None:
+    from aiokafka.admin import NewTopic
+
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        await admin.close()
+
+
+async def sampled_chunks(settings, request_ids) -> dict[str, list[GenerateChunk]]:
+    """Every request's chunks from the chunk topic, once each has its final chunk."""
+    wanted = set(request_ids)
+
+    def done(records) -> bool:
+        finished = {c.request_id for c in map(_chunk, records) if c.finish_reason is not None}
+        return wanted <= finished
+
+    records = await read_topic(settings, settings.topic("chunks"), until=done, timeout=120)
+    out: dict[str, list[GenerateChunk]] = {}
+    for chunk in map(_chunk, records):
+        if chunk.request_id in wanted:
+            out.setdefault(chunk.request_id, []).append(chunk)
+    for rid, chunks in out.items():
+        assert len({c.attempt for c in chunks}) == 1, f"{rid}: unexpected restart in a clean run"
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+    return out
+
+
+def _chunk(record) -> GenerateChunk:
+    return decode_message(record, GenerateChunk)
+
+
+def ids_of(chunks: list[GenerateChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def expected_text(tokenizer_dir, prompt: list[int], ids: list[int]) -> str:
+    """What the coupled endpoint returns: the output decoded in the prompt's context."""
+    tok = load_tokenizer(str(tokenizer_dir))
+    full = tok.decode(prompt + ids, skip_special_tokens=True)
+    before = tok.decode(prompt, skip_special_tokens=True)
+    assert full.startswith(before)
+    return full[len(before):]
+
+
+def render_unstreamed(tokenizer_dir, chunks: list[GenerateChunk]):
+    """What derender publishes for these chunks when the request is not streamed."""
+    from workers.derender.service import DerenderWorkerConfig
+    from workers.derender.state import Derenderer
+
+    derenderer = Derenderer(str(tokenizer_dir), model_name=DerenderWorkerConfig().model_name)
+    first = msgspec.structs.replace(chunks[0], output=msgspec.structs.replace(chunks[0].output, stream=False))
+    results = [out for c in [first, *chunks[1:]] for out in derenderer.process(c)]
+    assert len(results) == 1 and results[0].final
+    return results[0].value
+
+
+def sampled_logprobs(chunks: list[GenerateChunk]) -> list[float]:
+    return [e.logprob for c in chunks for e in c.logprobs.content]
+
+
+async def cli(*argv: str) -> int:
+    """`genpipe ARGV...` in a worker thread (the command runs its own event loop)."""
+    return await asyncio.to_thread(main, list(argv))
+
+
+def kafka_args(settings) -> list[str]:
+    return ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
+
+
+# --- the pipeline through the client -------------------------------------------------------
+
+
+async def test_chat_stream_and_completion_with_logprobs_match_the_sampled_ids(pipeline, tiny_model_dir):
+    settings = pipeline
+    chat_ids = render_chat(tiny_model_dir, [{"role": "user", "content": "Hello there, how are you?"}])
+    prompt_ids = render_prompt(tiny_model_dir, "Once upon a time")
+    assert chat_ids[0] == 1 and prompt_ids[0] == 1  # BOS, from the template / the tokenizer
+    chat_opts = dict(kind="chat", temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True,
+                     top_logprobs=2, include_usage=True, created=1700000000)
+    chat_stream = make_request(chat_ids, stream=True, **chat_opts)
+    chat_final = make_request(chat_ids, stream=False, **chat_opts)
+    comp_opts = dict(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True, logprobs=3, created=1700000000)
+    comp_final = make_request(prompt_ids, stream=False, **comp_opts)
+    comp_stream = make_request(prompt_ids, stream=True, include_usage=True, **comp_opts)
+    invalid = make_request(prompt_ids, logprobs=30)  # asks generate for 31 > max_logprobs 20
+
+    async with GenpipeClient(settings=settings, timeout_s=60) as client:
+        async def collect(request):
+            return [item async for item in client.stream(request)]
+
+        async def error_of(request):
+            with pytest.raises(GenpipeError) as info:
+                await client.complete(request)
+            return info.value
+
+        # every request in flight at once on one client; the streamed chat also goes
+        # through complete() (a second request id: one stream per id)
+        chat_stream_again = msgspec.structs.replace(chat_stream, request_id="again-" + chat_stream.request_id)
+        streamed, from_chat_stream, chat, comp, from_comp_stream, error = await asyncio.gather(
+            collect(chat_stream), client.complete(chat_stream_again), client.complete(chat_final),
+            client.complete(comp_final), client.complete(comp_stream), error_of(invalid))
+
+    chunks = await sampled_chunks(settings, [r.request_id for r in (
+        chat_stream, chat_stream_again, chat_final, comp_final, comp_stream)])
+
+    # chat, streamed: ordered chunks, no restart, text and logprobs of the sampled ids
+    assert all(isinstance(i, ChatCompletionChunk) for i in streamed), streamed
+    ids = ids_of(chunks[chat_stream.request_id])
+    assert len(ids) == 12
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert all(i.choices[0].finish_reason is None for i in streamed[:-1])
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].usage.prompt_tokens == len(chat_ids)
+    text = "".join(i.choices[0].delta.content or "" for i in streamed)
+    assert text == expected_text(tiny_model_dir, chat_ids, ids) and text.strip()
+    entries = [e for i in streamed if i.choices[0].logprobs for e in i.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == sampled_logprobs(chunks[chat_stream.request_id])
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+
+    # chat, not streamed: the final object of its own sampled ids
+    assert isinstance(chat, ChatCompletion)
+    chat_final_ids = ids_of(chunks[chat_final.request_id])
+    assert chat.choices[0].message.content == expected_text(tiny_model_dir, chat_ids, chat_final_ids)
+    assert [e.logprob for e in chat.choices[0].logprobs.content] == sampled_logprobs(chunks[chat_final.request_id])
+    # a stream assembled by complete() is exactly what derender renders non-streamed
+    # from the same chunks (logprob floats depend on the batch, so compare like this)
+    assert from_chat_stream == render_unstreamed(tiny_model_dir, chunks[chat_stream_again.request_id])
+    assert from_chat_stream.choices[0].logprobs.content and from_chat_stream.usage is not None
+
+    # completion, not streamed, with logprobs=3: the sampled token plus its top 3
+    assert isinstance(comp, Completion)
+    comp_ids = ids_of(chunks[comp_final.request_id])
+    assert comp.choices[0].text == expected_text(tiny_model_dir, prompt_ids, comp_ids)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == len(comp_ids) == 10
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(comp_ids) and lp.token_logprobs == sampled_logprobs(chunks[comp_final.request_id])
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert next(iter(top)) == token and 1 <= len(top) <= 4
+    assert from_comp_stream == render_unstreamed(tiny_model_dir, chunks[comp_stream.request_id])
+    assert len(from_comp_stream.choices[0].logprobs.tokens) == 10
+
+    # an invalid request: one error result, raised with its type
+    assert error.type == "invalid_request_error" and "logprobs" in error.message
+
+
+async def test_duplicates_and_restarts_are_hidden(kafka_settings, make_topics, capsys):
+    """A scripted derender publishes duplicates and a restart; the client shows the winner."""
+    await make_topics(kafka_settings, partitions=2)
+    reply_topic = f"{kafka_settings.topic_prefix}.my-replies"
+    await create_topic(kafka_settings, reply_topic)
+
+    def value(rid: str, text: str, finish: str | None = None):
+        return ChatCompletionChunk(id=f"chatcmpl-{rid}", created=1, model="m", choices=[
+            ChatCompletionStreamChoice(delta=DeltaMessage(content=text), finish_reason=finish)])
+
+    def script(rid: str):
+        A, B = "attempt-a", "attempt-b"
+        rec = lambda attempt, seq, text, restart=False, final=False: (attempt, seq, value(rid, text, "length" if final else None), restart, final)  # noqa: E731
+        return [rec(A, 0, "a0"), rec(A, 1, "a1"), rec(A, 1, "a1"), rec(A, 0, "a0"),
+                rec(B, 0, "b0", restart=True), rec(A, 2, "a2"), rec(B, 1, "b1"),
+                rec(B, 0, "b0", restart=True), rec(A, 1, "a1"), rec(B, 2, "b2", final=True),
+                rec(B, 2, "b2", final=True)]
+
+    seen_reply_topics = []
+    producer = make_producer(kafka_settings)
+    await producer.start()
+
+    async def fake_derender(message):
+        from schemas import GenerateRequest
+
+        request = decode_message(message, GenerateRequest)
+        seen_reply_topics.append(request.reply_topic)
+        for attempt, seq, val, restart, final in script(request.request_id):
+            headers = {"genpipe-attempt": attempt, "genpipe-seq": str(seq)}
+            if restart:
+                headers["genpipe-restart"] = "1"
+            if final:
+                headers["genpipe-final"] = "1"
+            await producer.send_and_wait(
+                request.reply_topic, encode(val, JSON), key=request.request_id.encode(),
+                headers=headers_for(val, JSON, [(k, v.encode()) for k, v in headers.items()]))
+
+    stop, ready = asyncio.Event(), asyncio.Event()
+    worker = asyncio.ensure_future(follow(kafka_settings, kafka_settings.topic("requests"), fake_derender,
+                                          stop, ready=ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        async with GenpipeClient(settings=kafka_settings, reply_topic=reply_topic, timeout_s=30) as client:
+            items = [item async for item in client.stream(make_request([1, 2, 3], kind="chat", stream=True))]
+            final = await client.complete(make_request([1, 2, 3], kind="chat", stream=True))
+        rc = await cli("submit", *kafka_args(kafka_settings), "--token-ids", "1,2,3", "--kind", "chat",
+                       "--reply-topic", reply_topic, "--timeout", "30")
+        out, err = capsys.readouterr()
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await producer.stop()
+
+    assert seen_reply_topics == [reply_topic] * 3  # the client addressed its replies
+    shown = [item if isinstance(item, Restart) else item.choices[0].delta.content for item in items]
+    assert shown[:2] == ["a0", "a1"] and isinstance(shown[2], Restart) and shown[2].attempt == "attempt-b"
+    assert shown[3:] == ["b0", "b1", "b2"]
+    assert isinstance(final, ChatCompletion)
+    assert final.choices[0].message.content == "b0b1b2" and final.choices[0].finish_reason == "length"
+    # the command line shows the abandoned text, says so, and prints the new attempt
+    assert rc == 0, err
+    assert out == "a0a1\nb0b1b2\n" and "restarted (attempt attempt-b)" in err
+
+
+def test_attempt_filter_rules():
+    f = AttemptFilter()
+    assert f.accept("a", 0) is False and f.accept("a", 1) is False
+    assert f.accept("a", 1) is None and f.accept("a", 0) is None  # duplicates
+    assert f.accept("x", 3) is None  # a stray record of an unknown attempt, not its start
+    assert f.accept("b", 0) is True  # a new attempt's first record restarts, header or not
+    assert f.accept("a", 2) is None and f.accept("b", 0, True) is None
+    assert f.accept("b", 1) is False
+    first = AttemptFilter()
+    assert first.accept("b", 5, True) is False  # nothing shown yet: no restart to signal (non-streamed)
+    assert AttemptFilter().accept(None, None) is False  # no genpipe headers: shown as is
+    with pytest.raises(ValueError):
+        assemble([])
+
+
+async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_settings, make_topics):
+    await make_topics(kafka_settings, partitions=2)
+    request = make_request([1, 5, 6], request_id="lonely")
+    async with GenpipeClient(settings=kafka_settings, timeout_s=1.5) as client:
+        with pytest.raises(GenpipeTimeout) as info:
+            await client.complete(request)
+    message = str(info.value)
+    assert "no result for request lonely within 1.5 s" in message
+    assert "generate and a derender worker" in message and kafka_settings.topic_prefix in message
+    assert isinstance(info.value, TimeoutError)
+    # the client gave up, so it cancelled the request for whichever worker picks it up later
+    cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1, timeout=30)
+    assert decode_message(cancels[0], Cancel).request_id == "lonely"
+
+
+# --- the commands --------------------------------------------------------------------------
+
+
+async def test_submit_prints_the_streamed_text_and_tail_follows(pipeline, tiny_model_dir, capsys):
+    settings = pipeline
+    rc = await cli("submit", *kafka_args(settings), "--prompt", "The cat", "--max-tokens", "9",
+                   "--temperature", "0", "--ignore-eos", "--request-id", "cli-1", "--timeout", "60")
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    chunks = await sampled_chunks(settings, ["cli-1"])
+    prompt = render_prompt(tiny_model_dir, "The cat")
+    assert len(ids_of(chunks["cli-1"])) == 9
+    assert out == expected_text(tiny_model_dir, prompt, ids_of(chunks["cli-1"])) + "\n"
+
+    rc = await cli("submit", *kafka_args(settings), "--chat", "user: Hi!", "--max-tokens", "5", "--no-stream",
+                   "--ignore-eos", "--logprobs", "--top-logprobs", "2", "--json", "--request-id", "cli-2")
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 1 and lines[0]["key"] == "cli-2"
+    assert lines[0]["headers"]["genpipe-final"] == "1" and lines[0]["headers"]["content-type"] == JSON
+    assert lines[0]["value"]["object"] == "chat.completion"
+    assert len(lines[0]["value"]["choices"][0]["logprobs"]["content"]) == 5
+
+    rc = await cli("submit", *kafka_args(settings), "--token-ids", "1,5,6", "--logprobs", "30")
+    out, err = capsys.readouterr()
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert err.startswith("genpipe submit: error (invalid_request_error):") and "logprobs" in err
+
+    rc = await cli("tail", *kafka_args(settings), "--request-id", "cli-1", "--from-beginning", "--until-final")
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["key"] for r in records] == ["cli-1"] * len(records) and len(records) >= 2
+    assert [int(r["headers"]["genpipe-seq"]) for r in records] == list(range(len(records)))
+    assert "".join(r["value"]["choices"][0]["text"] for r in records) + "\n" == expected_text(
+        tiny_model_dir, prompt, ids_of(chunks["cli-1"])) + "\n"
+
+
+async def test_submit_without_workers_exits_nonzero_with_one_line(kafka_settings, make_topics, capsys):
+    await make_topics(kafka_settings, partitions=1)
+    rc = await cli("submit", *kafka_args(kafka_settings), "--token-ids", "1,2,3", "--timeout", "1",
+                   "--request-id", "nobody-home")
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == ""
+    assert err.strip().splitlines() == [
+        f"genpipe submit: no result for request nobody-home within 1 s: are a generate and a derender "
+        f"worker running on topic prefix {kafka_settings.topic_prefix!r} "
+        f"(bootstrap {kafka_settings.bootstrap_servers})?"]
+
+
+async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_model_dir, tmp_path, capsys):
+    settings = pipeline
+    chat = render_chat(tiny_model_dir, [{"role": "user", "content": "Tell me about cats."}])
+    prompt = render_prompt(tiny_model_dir, "Über café 中文 🙂")
+    requests = [
+        make_request(chat, kind="chat", stream=True, max_tokens=10, seed=1, logprobs=True, top_logprobs=3,
+                     include_usage=True),
+        make_request(prompt, stream=False, max_tokens=12, seed=2, logprobs=2),
+        make_request(prompt, stream=True, max_tokens=16, seed=3, ignore_eos=True, stop=[" "]),
+        make_request(chat, kind="chat", stream=False, max_tokens=8, temperature=0.0),
+        make_request([1, 10**6]),  # an id outside the vocabulary: an error result
+    ]
+    async with GenpipeClient(settings=settings, timeout_s=60) as client:
+        async def run(request):
+            return [r async for r in client.records(request)]
+        got = await asyncio.gather(*(run(r) for r in requests))
+    assert got[2][-1].value.choices[0].finish_reason == "stop"  # the stop string matched
+    assert " " not in "".join(r.value.choices[0].text for r in got[2])
+    assert isinstance(got[4][-1].value, ErrorResponse) and got[4][-1].final
+    assert all(r[-1].final and not any(x.restart for x in r) for r in got)
+    rids = {r.request_id for r in requests}
+
+    def by_request(records) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for record in records:
+            key = record.key.decode()
+            if key in rids:
+                out.setdefault(key, []).append((record.value, list(record.headers)))
+        return out
+
+    def complete(records) -> bool:
+        return {r.key.decode() for r in records if dict(r.headers).get("genpipe-final") == b"1"} >= rids
+
+    original = by_request(await read_topic(settings, settings.topic("results"), until=complete))
+    assert set(original) == rids
+
+    target = f"{settings.topic_prefix}.replayed"
+    await create_topic(settings, target)
+    rc = await cli("replay", *kafka_args(settings), "--from", "0", "--to-topic", target)
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "0 partial request(s) skipped" in err
+    replayed = by_request(await read_topic(settings, target, until=complete))
+    assert replayed == original  # same values (bytes) and headers, in per-request order
+
+    out_file = tmp_path / "replayed.jsonl"
+    rc = await cli("replay", *kafka_args(settings), "--from", "2000-01-01T00:00:00Z", "--out", str(out_file))
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    from_file: dict[str, list] = {}
+    for line in out_file.read_bytes().splitlines():
+        entry = json.loads(line)
+        from_file.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
+    assert from_file == {rid: [(json.loads(v), {k: h.decode() for k, h in hs}) for v, hs in records]
+                         for rid, records in original.items()}
+
+    # from the middle of the log: requests whose seq 0 is before the range are skipped
+    # (reported), every other request is still reproduced exactly
+    partial_file = tmp_path / "partial.jsonl"
+    rc = await cli("replay", *kafka_args(settings), "--from", "1", "--out", str(partial_file))
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    skipped = int(err.split(" partial request(s) skipped")[0].rsplit(" ", 1)[1])
+    partial: dict[str, list] = {}
+    for line in partial_file.read_bytes().splitlines():
+        entry = json.loads(line)
+        partial.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
+    assert skipped >= 1 and 0 < len(partial) <= len(rids) - skipped
+    assert all(records == from_file[rid] for rid, records in partial.items())

@@ -1,0 +1,636 @@
+"""CLI: `genpipe submit`, `genpipe tail`, `genpipe replay` (the user's side of the pipeline).
+
+Heavy imports (aiokafka, transformers, the derender tables) stay inside the command
+functions so that `genpipe --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_SUBMIT_EPILOG = """\
+examples:
+  genpipe submit --prompt "Once upon a time" --max-tokens 32
+  genpipe submit --chat "system: You are terse." --chat "user: Hello!" --temperature 0
+  genpipe submit --token-ids 1,306,468 --no-stream --logprobs 2 --json
+  genpipe submit --chat-file messages.json --stop "\\n" --include-usage -v
+
+The prompt is rendered with the model's tokenizer (--tokenizer): --prompt as a
+completion prompt (with BOS), --chat/--chat-file with its chat template and the
+generation prompt. --token-ids is sent as is.
+
+Logprobs follow OpenAI: for a completion, --logprobs K returns the sampled token and
+the top K per position; for a chat, --logprobs turns them on and --top-logprobs K lists
+K candidates per position.
+
+Exit status: 0 on a complete answer, 1 on an error result, a timeout or a Kafka
+failure (one line on stderr), 2 on bad arguments.
+"""
+
+_TAIL_EPILOG = """\
+Each record is printed as one JSON line:
+  {"key": ..., "headers": {...}, "value": ..., "topic": ..., "partition": ..., "offset": ..., "timestamp": ...}
+JSON values are printed as they are; msgpack values (requests, chunks) are converted.
+
+examples:
+  genpipe tail                                   # new results, until Ctrl-C
+  genpipe tail --request-id 42 --from-beginning --until-final
+  genpipe tail --topic chunks --from-beginning --idle-exit 2 > chunks.jsonl
+"""
+
+_REPLAY_EPILOG = """\
+The chunk topic is the durable log of everything the model sampled; replaying a range
+of it through a fresh derenderer reproduces the results record for record (values and
+headers), e.g. after a derender bug fix or to fill a new topic:
+
+  genpipe replay --from 0 --to-topic genpipe.results-v2
+  genpipe replay --from 2025-01-31T12:00:00Z --out results.jsonl
+
+--from OFFSET applies to every partition (clipped to the oldest retained offset);
+--from ISO-TIME starts each partition at its first record at or after that time. The
+range ends at --to OFFSET (exclusive) or at the end offsets seen when the replay starts.
+Requests whose first chunk (seq 0) lies before the range cannot be rebuilt and are
+skipped (reported on stderr) unless --keep-partial. Cancels (stop strings) are not sent.
+The --out lines have the format of `genpipe derender --out`.
+"""
+
+
+def register(subparsers) -> None:
+    _add_submit(subparsers)
+    _add_tail(subparsers)
+    _add_replay(subparsers)
+
+
+def _kafka_arguments(parser: argparse.ArgumentParser) -> None:
+    from workers.kafka.settings import KafkaSettings
+
+    KafkaSettings.add_arguments(parser)
+
+
+def _topic_arg(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("topic must not be empty")
+    return value.strip()
+
+
+def _resolve_topic(settings, value: str | None, default_role: str) -> str:
+    from workers.kafka.settings import TOPIC_ROLES
+
+    if value is None:
+        return settings.topic(default_role)
+    return settings.topic(value) if value in TOPIC_ROLES else value
+
+
+def _quiet_kafka_logs(verbose: bool = False) -> None:
+    """aiokafka logs connection errors itself; a command reports them as one line."""
+    import logging
+
+    if not verbose:
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------- submit
+
+
+def _token_ids(value: str) -> list[int]:
+    try:
+        ids = [int(part) for part in value.replace(" ", ",").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def _chat_message(value: str) -> dict:
+    role, sep, text = value.partition(":")
+    if not sep or not role.strip() or " " in role.strip():
+        return {"role": "user", "content": value}
+    return {"role": role.strip(), "content": text[1:] if text.startswith(" ") else text}
+
+
+def _max_tokens(value: str) -> int | None:
+    if value.lower() in ("none", "max"):
+        return None
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1 (or 'none' for the model's context)")
+    return number
+
+
+def _add_submit(subparsers) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="send one request and print the answer as it streams",
+        description="Send one request to the pipeline and print its answer as it streams in.",
+        epilog=_SUBMIT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prompt = p.add_argument_group("prompt (exactly one of --prompt, --chat, --chat-file, --token-ids)")
+    source = prompt.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="completion prompt text")
+    source.add_argument("--chat", metavar="'ROLE: TEXT'", action="append", type=_chat_message,
+                        help="a chat message, e.g. 'user: Hello!' (repeatable, in order; no role = user)")
+    source.add_argument("--chat-file", metavar="FILE",
+                        help='JSON chat messages: [{"role": ..., "content": ...}, ...] or '
+                             '{"messages": [...]}; - for stdin')
+    source.add_argument("--token-ids", metavar="1,2,3", type=_token_ids,
+                        help="prompt token ids, sent as they are")
+    prompt.add_argument("--kind", choices=("chat", "completion"), default=None,
+                        help="result shape (default: chat for --chat/--chat-file, else completion)")
+    prompt.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="model/tokenizer directory used to render the prompt "
+                             "(default: the built-in tiny spm model)")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=_max_tokens, default=64, metavar="N",
+                   help="most tokens to generate; 'none' = until the context is full (default: 64)")
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="generate at least N tokens before EOS/stop tokens count (default: 0)")
+    s.add_argument("--temperature", type=float, default=1.0,
+                   help="0 = greedy (default: 1.0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default: 0)")
+    s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token (default: 0)")
+    s.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible output)")
+    s.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
+                   help="stop when this token id is sampled (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    s.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
+                   help="completion: the sampled token and the top K per position; "
+                        "chat: turn logprobs on (K = top_logprobs when --top-logprobs is absent)")
+    s.add_argument("--top-logprobs", type=int, default=None, metavar="K",
+                   help="chat: K candidates per position (implies --logprobs)")
+    s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="also compute logprobs of the prompt tokens (top K)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream the answer chunk by chunk (default: --stream)")
+    o.add_argument("--include-usage", action="store_true",
+                   help="usage on the last streamed record (non-streamed results always have it)")
+    o.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string, matched on the text (repeatable)")
+    o.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the matched stop string (or stop token) in the text")
+    o.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave special tokens out of the text (default: skip)")
+    o.add_argument("--model", default=None, help="`model` reported in the results")
+
+    d = p.add_argument_group("delivery")
+    d.add_argument("--request-id", default=None, help="request id (default: a new uuid)")
+    d.add_argument("--reply-topic", type=_topic_arg, default=None, metavar="TOPIC",
+                   help="topic for the results (must exist; default: <prefix>.results)")
+    d.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="abort generation S seconds from now (finish_reason=abort)")
+    d.add_argument("--priority", type=int, default=0, help="request priority (default: 0)")
+    d.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="give up when no result arrives for S seconds (default: 120)")
+
+    r = p.add_argument_group("printing")
+    r.add_argument("--json", action="store_true",
+                   help="print the raw result records, one JSON line each, instead of the text")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="print the request id, finish reason and usage on stderr")
+    _kafka_arguments(p)
+    p.set_defaults(func=run_submit)
+
+
+def _load_chat_file(path: str) -> list[dict]:
+    import json
+
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    data = json.loads(text)
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(isinstance(m, dict) and "role" in m for m in data):
+        raise ValueError(f"{path}: expected a JSON list of {{\"role\", \"content\"}} messages "
+                         "(or an object with \"messages\")")
+    return data
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from workers.client import make_request, render_chat, render_prompt
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"genpipe submit: {message}", file=sys.stderr)
+        return code
+
+    kind = args.kind or ("chat" if (args.chat or args.chat_file) else "completion")
+    if args.token_ids is not None:
+        ids = args.token_ids
+    else:
+        tokenizer = args.tokenizer
+        if tokenizer is None:
+            from workers.generate.tinymodel import default_model_dir
+
+            tokenizer = str(default_model_dir("spm"))
+        try:
+            if args.prompt is not None:
+                ids = render_prompt(tokenizer, args.prompt)
+            else:
+                messages = args.chat if args.chat else _load_chat_file(args.chat_file)
+                ids = render_chat(tokenizer, messages)
+        except (OSError, ValueError) as exc:
+            return fail(_one_line(exc))
+        except Exception as exc:  # a template error, a bad tokenizer dir ...
+            return fail(f"cannot render the prompt with {tokenizer}: {_one_line(exc)}")
+        if not ids:
+            return fail("the prompt rendered to no tokens")
+    try:
+        request = make_request(
+            ids, kind=kind, request_id=args.request_id, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+            stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs, top_logprobs=args.top_logprobs, prompt_logprobs=args.prompt_logprobs,
+            stream=args.stream, include_usage=args.include_usage,
+            include_stop_str_in_output=args.include_stop_str_in_output,
+            skip_special_tokens=args.skip_special_tokens, model=args.model, reply_topic=args.reply_topic,
+            deadline_s=args.deadline_s, priority=args.priority)
+    except ValueError as exc:
+        return fail(_one_line(exc))
+    _quiet_kafka_logs(args.verbose)
+    try:
+        return asyncio.run(_submit(args, request))
+    except BrokenPipeError:
+        return 0
+
+
+async def _submit(args: argparse.Namespace, request) -> int:
+    from aiokafka.errors import KafkaError
+
+    from workers.client import (GenpipeClient, GenpipeError, assemble, raise_for_error, record_json,
+                                text_of)
+    from workers.kafka.settings import KafkaSettings
+
+    settings = KafkaSettings.from_args(args, client_id="genpipe-submit")
+    out, err = sys.stdout, sys.stderr
+    if args.verbose:
+        print(f"genpipe submit: request {request.request_id} ({len(request.prompt_token_ids)} prompt tokens)",
+              file=err)
+    items = []
+    printed = False
+    try:
+        async with GenpipeClient(settings=settings, reply_topic=args.reply_topic, timeout_s=args.timeout) as client:
+            async for record in client.records(request):
+                if record.restart:
+                    items.clear()
+                    if not args.json:
+                        err.write(f"\n[genpipe: request {record.request_id} restarted (attempt "
+                                  f"{record.attempt}); its answer starts over]\n")
+                        if printed:
+                            out.write("\n")
+                items.append(record.value)
+                if args.json:
+                    out.write(record_json(_RecordView(record)).decode() + "\n")
+                    out.flush()
+                    continue
+                text = text_of(record.value)
+                if text:
+                    out.write(text)
+                    out.flush()
+                    printed = True
+            if not args.json:
+                out.write("\n")
+                out.flush()
+            final = assemble(items)
+            raise_for_error(final, request.request_id)
+    except GenpipeError as exc:
+        if printed and not args.json:
+            out.write("\n")
+        message = str(exc) if exc.type == "timeout" else f"error ({exc.type}): {exc.message}"
+        print(f"genpipe submit: {_one_line(Exception(message))}", file=err)
+        return 1
+    except (KafkaError, RuntimeError, OSError) as exc:
+        print(f"genpipe submit: Kafka at {settings.bootstrap_servers}: {_one_line(exc)}", file=err)
+        return 1
+    if args.verbose:
+        choice = final.choices[0] if getattr(final, "choices", None) else None
+        usage = getattr(final, "usage", None)
+        used = (f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"
+                if usage is not None else "usage not requested (--include-usage)")
+        print(f"genpipe submit: finish_reason={choice.finish_reason if choice else None}; {used}", file=err)
+    return 0
+
+
+class _RecordView:
+    """Adapts a client ResultMessage to what `record_json` reads from a Kafka record."""
+
+    def __init__(self, record):
+        self.key = record.request_id.encode()
+        self.headers = record.headers
+        self.value = record.raw
+        self.topic, self.partition, self.offset, self.timestamp = (
+            record.topic, record.partition, record.offset, record.timestamp)
+
+
+# ---------------------------------------------------------------------------------- tail
+
+
+def _add_tail(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tail",
+        help="follow the results topic (or any genpipe topic) as JSON lines",
+        description="Follow every partition of a topic without a consumer group and print each "
+                    "record as one JSON line.",
+        epilog=_TAIL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--topic", type=_topic_arg, default=None, metavar="TOPIC",
+                   help="a role (requests, chunks, results, cancel, dlq) or a full topic name "
+                        "(default: results)")
+    p.add_argument("--request-id", default=None, metavar="ID", help="only records with this key")
+    p.add_argument("--from-beginning", action="store_true",
+                   help="start at the oldest retained record (default: only new records)")
+    p.add_argument("--until-final", action="store_true",
+                   help="exit after the first record with genpipe-final: 1 (with --request-id: its own)")
+    p.add_argument("--max-records", type=int, default=None, metavar="N", help="exit after printing N records")
+    p.add_argument("--idle-exit", type=float, default=None, metavar="S",
+                   help="exit when no record arrived for S seconds")
+    _kafka_arguments(p)
+    p.set_defaults(func=run_tail)
+
+
+def run_tail(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+
+    _quiet_kafka_logs()
+    try:
+        return asyncio.run(_tail(args))
+    except BrokenPipeError:
+        return 0
+    except (KafkaError, RuntimeError, OSError) as exc:
+        print(f"genpipe tail: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+async def _tail(args: argparse.Namespace) -> int:
+    import time
+
+    from schemas import header_value
+    from workers.client import record_json
+    from workers.kafka.clients import make_consumer
+    from workers.kafka.follow import assign_all
+    from workers.kafka.records import HEADER_FINAL
+    from workers.kafka.settings import KafkaSettings
+
+    settings = KafkaSettings.from_args(args, client_id="genpipe-tail")
+    topic = _resolve_topic(settings, args.topic, "results")
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    printed = 0
+    try:
+        await consumer.start()
+        await assign_all(consumer, topic, 0 if args.from_beginning else None)
+        last = time.monotonic()
+        out = sys.stdout
+        while True:
+            batch = await consumer.getmany(timeout_ms=100)
+            if batch:
+                last = time.monotonic()
+            elif args.idle_exit is not None and time.monotonic() - last >= args.idle_exit:
+                return 0
+            for messages in batch.values():
+                for message in messages:
+                    key = message.key.decode("utf-8", "replace") if message.key is not None else None
+                    if args.request_id is not None and key != args.request_id:
+                        continue
+                    out.write(record_json(message).decode() + "\n")
+                    printed += 1
+                    if args.max_records is not None and printed >= args.max_records:
+                        out.flush()
+                        return 0
+                    if args.until_final and header_value(message.headers, HEADER_FINAL) == "1":
+                        out.flush()
+                        return 0
+            out.flush()
+    finally:
+        await consumer.stop()
+
+
+# ---------------------------------------------------------------------------------- replay
+
+
+def _add_replay(subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="re-derender a range of the chunk topic into a topic or a file",
+        description="Re-derender a range of the chunk topic (every partition) with a fresh "
+                    "derenderer and write the results to a topic or a JSON-lines file.",
+        epilog=_REPLAY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--from", dest="start", required=True, metavar="OFFSET|ISO-TIME",
+                   help="first offset (every partition) or a time such as 2025-01-31T12:00:00Z")
+    p.add_argument("--to", dest="end", type=int, default=None, metavar="OFFSET",
+                   help="stop before this offset in every partition (default: the end offsets "
+                        "when the replay starts)")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-topic", type=_topic_arg, metavar="TOPIC",
+                        help="publish the results to this (existing) topic")
+    target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
+    p.add_argument("--chunks-topic", type=_topic_arg, default=None, metavar="TOPIC",
+                   help="topic to read (default: <prefix>.chunks)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="model or tokenizer directory (default: the built-in tiny spm model)")
+    p.add_argument("--model-name", default=None,
+                   help="`model` of results whose request named none (default: the derender "
+                        "worker's default, genpipe-tiny)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="more top entries than this per position is an error (default: 20)")
+    p.add_argument("--keep-partial", action="store_true",
+                   help="also feed requests whose first chunk is before the range (they end in "
+                        "a seq-gap error result)")
+    _kafka_arguments(p)
+    p.set_defaults(func=run_replay)
+
+
+def parse_start(value: str) -> tuple[str, int]:
+    """`--from`: ("offset", n) or ("time", epoch ms)."""
+    from datetime import datetime
+
+    text = value.strip()
+    try:
+        offset = int(text)
+    except ValueError:
+        pass
+    else:
+        if offset < 0:
+            raise ValueError(f"--from offset must be >= 0, got {offset}")
+        return "offset", offset
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise ValueError(f"--from must be an offset or an ISO time such as 2025-01-31T12:00:00Z, "
+                         f"got {value!r}") from None
+    return "time", int(when.timestamp() * 1000)  # a time without offset is local time
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+
+    from workers.derender.service import DerenderWorkerConfig
+    from workers.derender.state import Derenderer
+
+    try:
+        start = parse_start(args.start)
+    except ValueError as exc:
+        print(f"genpipe replay: {exc}", file=sys.stderr)
+        return 2
+    if args.end is not None and args.end < 0:
+        print("genpipe replay: --to must be >= 0", file=sys.stderr)
+        return 2
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from workers.generate.tinymodel import default_model_dir
+
+        tokenizer = str(default_model_dir("spm"))
+    model_name = args.model_name or DerenderWorkerConfig().model_name
+    try:
+        derenderer = Derenderer(tokenizer, model_name=model_name, max_logprobs=args.max_logprobs)
+    except (OSError, ValueError) as exc:
+        print(f"genpipe replay: cannot load tokenizer {tokenizer}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    _quiet_kafka_logs()
+    sink = None
+    try:
+        if args.out is not None:
+            sink = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
+        summary = asyncio.run(replay(args, derenderer, start, sink))
+    except (KafkaError, RuntimeError, OSError) as exc:
+        print(f"genpipe replay: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if sink is not None and args.out != "-":
+            sink.close()
+    print(f"genpipe replay: {summary['chunks']} chunks from {summary['partitions']} partition(s) -> "
+          f"{summary['results']} results to {summary['target']}; {summary['skipped_requests']} partial "
+          f"request(s) skipped, {summary['undecodable']} undecodable chunk(s), "
+          f"{summary['unfinished']} unfinished request(s)", file=sys.stderr)
+    return 0
+
+
+STALL_S = 60.0  # replay: give up when the range stops advancing this long
+
+
+async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], sink) -> dict:
+    import time
+
+    from aiokafka import TopicPartition
+
+    from schemas import JSON, GenerateChunk, RecordError
+    from workers.derender.filemode import result_line
+    from workers.derender.state import Result
+    from workers.kafka.clients import make_consumer, make_producer
+    from workers.kafka.publisher import Publisher
+    from workers.kafka.records import Outgoing, decode_message
+    from workers.kafka.settings import KafkaSettings
+
+    settings = KafkaSettings.from_args(args, client_id="genpipe-replay")
+    topic = _resolve_topic(settings, args.chunks_topic, "chunks")
+    summary = {"chunks": 0, "results": 0, "skipped_requests": 0, "undecodable": 0, "unfinished": 0,
+               "partitions": 0, "target": args.to_topic or args.out}
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="earliest")
+    producer = None
+    try:
+        await consumer.start()
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            raise RuntimeError(f"topic {topic!r} does not exist")
+        if args.to_topic is not None and args.to_topic not in await consumer.topics():
+            raise RuntimeError(f"topic {args.to_topic!r} does not exist: create it first "
+                               f"(auto-creation is off on genpipe brokers)")
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        begins = await consumer.beginning_offsets(tps)
+        ends = await consumer.end_offsets(tps)  # captured now: the replay stops here
+        if start[0] == "time":
+            found = await consumer.offsets_for_times({tp: start[1] for tp in tps})
+            first = {tp: found[tp].offset if found.get(tp) is not None else ends[tp] for tp in tps}
+        else:
+            first = {tp: max(start[1], begins[tp]) for tp in tps}
+        stop = {tp: ends[tp] if args.end is None else min(ends[tp], args.end) for tp in tps}
+        active = {tp for tp in tps if first[tp] < stop[tp]}
+        summary["partitions"] = len(active)
+        for tp in tps:
+            consumer.seek(tp, min(first[tp], stop[tp]))
+        if active != set(tps):
+            consumer.pause(*(set(tps) - active))
+
+        publisher = None
+        if args.to_topic is not None:
+            producer = make_producer(settings)
+            await producer.start()
+            publisher = Publisher(producer, settings.topic("dlq"))
+        skipped: set[str] = set()
+        failures: list = []
+        last_progress = time.monotonic()
+        while active:
+            batch = await consumer.getmany(*active, timeout_ms=200)
+            if batch:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > STALL_S:
+                left = {tp.partition: (await consumer.position(tp), stop[tp]) for tp in active}
+                raise RuntimeError(f"no progress for {STALL_S:g} s reading {topic}; partition: "
+                                   f"(position, stop) = {left}")
+            for tp, messages in batch.items():
+                for message in messages:
+                    if message.offset >= stop[tp]:
+                        break
+                    try:
+                        chunk = decode_message(message, GenerateChunk)
+                    except RecordError as exc:
+                        summary["undecodable"] += 1
+                        print(f"genpipe replay: skipping undecodable chunk at {tp.topic}[{tp.partition}]"
+                              f"@{message.offset}: {_one_line(exc)}", file=sys.stderr)
+                        continue
+                    summary["chunks"] += 1
+                    rid = chunk.request_id
+                    if not args.keep_partial:
+                        if rid in skipped:
+                            continue
+                        if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
+                            skipped.add(rid)
+                            continue
+                    for output in derenderer.process(chunk):
+                        if not isinstance(output, Result):
+                            continue  # a stop-string cancel: the live pipeline sent it already
+                        summary["results"] += 1
+                        if publisher is not None:
+                            future = await publisher.publish(Outgoing(
+                                args.to_topic, output.request_id, output.value, JSON,
+                                headers=output.headers, partition=tp.partition))
+                            future.add_done_callback(lambda f: failures.append(f.exception())
+                                                     if not f.cancelled() and f.exception() else None)
+                        else:
+                            sink.write(result_line(output))
+            for tp in list(active):
+                if await consumer.position(tp) >= stop[tp]:
+                    active.discard(tp)
+                    consumer.pause(tp)
+        if publisher is not None:
+            await publisher.flush()
+            if failures:
+                raise RuntimeError(f"{len(failures)} result(s) could not be published: {failures[0]}")
+        elif sink is not None:
+            sink.flush()
+        summary["skipped_requests"] = len(skipped)
+        summary["unfinished"] = len(derenderer.active_requests())
+        return summary
+    finally:
+        await consumer.stop()
+        if producer is not None:
+            await producer.stop()
