@@ -36,7 +36,6 @@ from schemas.openai import (
     ErrorInfo,
     ErrorResponse,
     OpenAIResult,
-    ResultRecord,
     UsageInfo,
 )
 from schemas.records import (

@@ -119,7 +119,7 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     error: ErrorInfo
 
 
-# The OpenAI objects tell themselves apart by their `object` field.
+# The OpenAI objects tell themselves apart by their `object` field, so msgspec can decode
+# this union directly. An error result (`ErrorResponse`, untagged) is told apart by the
+# `genpipe-schema` header instead.
 OpenAIResult = ChatCompletionChunk | ChatCompletion | Completion
-# Every value that can appear on a results topic (the `genpipe-schema` header names which).
-ResultRecord = ChatCompletionChunk | ChatCompletion | Completion | ErrorResponse

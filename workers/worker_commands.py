@@ -21,7 +21,9 @@ def _setup_logging(level: str) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     KafkaSettings.add_arguments(parser)
-    parser.add_argument("--group-id", help="consumer group (default genpipe-generate / genpipe-derender)")
+    parser.add_argument("--group-id", default=os.environ.get("GENPIPE_GROUP_ID"),
+                        help="consumer group (env GENPIPE_GROUP_ID; default <topic-prefix>-generate / "
+                             "<topic-prefix>-derender, so deployments with different prefixes never share a group)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("GENPIPE_METRICS_PORT", 0),
                         help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
     parser.add_argument("--max-logprobs", type=int, default=_env_int("GENPIPE_MAX_LOGPROBS", 20),
@@ -42,7 +44,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     config = GenerateWorkerConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
-        group_id=args.group_id or "genpipe-generate",
+        group_id=args.group_id or f"{settings.topic_prefix}-generate",
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
@@ -55,7 +57,7 @@ def _run_derender(args: argparse.Namespace) -> int:
     settings = KafkaSettings.from_args(args, client_id="genpipe-derender")
     config = DerenderWorkerConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
-        group_id=args.group_id or "genpipe-derender",
+        group_id=args.group_id or f"{settings.topic_prefix}-derender",
         grace_s=args.grace_period if args.grace_period is not None else 10.0)
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 

@@ -27,16 +27,21 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 background: Callable[[Publisher, ConsumerLoop, asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
                 on_ready: Callable[[], None] | None = None, worker: str = "worker") -> int:
-    """Run one worker until `stop` is set (or SIGTERM/SIGINT arrives); return an exit code."""
-    stop = stop or asyncio.Event()
+    """Run one worker until `stop` is set; return an exit code.
+
+    Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
+    one (several workers in one process, tests), the caller decides when to stop.
+    """
     loop = asyncio.get_running_loop()
     installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # not the main thread (tests run workers as tasks): the caller sets `stop`
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread: nothing to install
 
     producer = make_producer(settings, **(producer_overrides or {}))
     await producer.start()
