@@ -1,0 +1,59 @@
+"""Worker *processes* for end-to-end tests: started like an operator would, always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class WorkerProcesses:
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until every worker logged that it has partitions (or fail with its log)."""
+        deadline = time.monotonic() + timeout
+        pending = {name for name, _ in self.procs}
+        while pending:
+            for name, proc in self.procs:
+                if name in pending and "worker ready" in self.log(name):
+                    pending.discard(name)
+                if proc.poll() is not None:
+                    raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not ready after {timeout}s: {sorted(pending)}")
+            time.sleep(0.1)  # polling a log file: the condition is checked, not assumed
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        for n, proc in self.procs:
+            if n == name and proc.poll() is None:
+                os.killpg(proc.pid, sig)
+                proc.wait(60)
+
+    def stop_all(self, timeout: float = 60.0) -> dict[str, int]:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        codes = {}
+        for name, proc in self.procs:
+            try:
+                codes[name] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes[name] = proc.wait()
+        return codes
