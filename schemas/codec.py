@@ -8,7 +8,6 @@ marker (0x80-0x8f, 0xde, 0xdf) — the two never collide.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any, Iterable
 
@@ -80,11 +79,17 @@ def content_type_of(data: bytes, headers: Iterable[tuple[str, bytes]] | None) ->
     return media
 
 
-@functools.lru_cache(maxsize=None)
+_DECODERS: dict[tuple[Any, str], Any] = {}
+
+
 def _decoder(record_type: Any, content_type: str):
-    if content_type == MSGPACK:
-        return msgspec.msgpack.Decoder(record_type)
-    return msgspec.json.Decoder(record_type)
+    decoder = _DECODERS.get((record_type, content_type))
+    if decoder is None:
+        if content_type not in CONTENT_TYPES:
+            raise DecodeError(f"unsupported content-type {content_type!r}; expected {MSGPACK} or {JSON}")
+        module = msgspec.msgpack if content_type == MSGPACK else msgspec.json
+        decoder = _DECODERS[(record_type, content_type)] = module.Decoder(record_type)
+    return decoder
 
 
 def decode(data: bytes, record_type: Any, content_type: str | None = None) -> Any:
@@ -93,19 +98,17 @@ def decode(data: bytes, record_type: Any, content_type: str | None = None) -> An
     Raises DecodeError when the bytes are not a record at all and ValidationError (with
     the field named) when they decode but do not fit the type.
     """
-    if content_type is None:
-        content_type = sniff_content_type(data)
-    elif content_type not in CONTENT_TYPES:
-        raise DecodeError(f"unsupported content-type {content_type!r}; expected {MSGPACK} or {JSON}")
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise DecodeError(f"record value must be bytes, got {type(data).__name__}")
+    # The hot path of every worker: one dict lookup, then msgspec.
+    decoder = _decoder(record_type, content_type or sniff_content_type(data))
     try:
-        return _decoder(record_type, content_type).decode(data)
+        return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise validation_error_from_msgspec(exc) from None
     except msgspec.DecodeError as exc:
-        kind = "msgpack" if content_type == MSGPACK else "JSON"
+        kind = "msgpack" if decoder.__class__ is msgspec.msgpack.Decoder else "JSON"
         raise DecodeError(f"not a valid {kind} record: {exc}") from None
+    except TypeError:
+        raise DecodeError(f"record value must be bytes, got {type(data).__name__}") from None
 
 
 def decode_record(data: bytes, headers: Iterable[tuple[str, bytes]] | None, record_type: Any) -> Any:
