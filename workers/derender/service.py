@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
+from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.derender.worker import DerenderHandler
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
@@ -14,7 +15,7 @@ from workers.kafka.settings import KafkaSettings
 @dataclass
 class DerenderWorkerConfig:
     tokenizer: str | None = None  # None: the built-in tiny spm model's tokenizer
-    model_name: str = "genpipe-tiny"  # `model` in results when the request names none
+    model_name: str = DEFAULT_MODEL_NAME  # `model` in results when the request names none
     max_logprobs: int = 20
     group_id: str = "genpipe-derender"
     grace_s: float = 10.0

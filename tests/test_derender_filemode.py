@@ -1,0 +1,118 @@
+"""`genpipe derender --in CHUNKS --out RESULTS` end to end, files and stdin/stdout."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import msgspec
+
+from derender_support import encode_ids, make_chunks, openai_validate, position, tables_for, tokenizer_dir
+from schemas.codec import JSON, decode, encode
+from schemas.openai import ChatCompletionChunk, Completion
+from schemas.records import Cancel, OutputOptions
+from workers import cli
+
+
+def chunk_lines(kind="spm") -> list[str]:
+    tables = tables_for(kind)
+    lines = []
+    ids = encode_ids(tables, " hello 中文 world")
+    a = make_chunks("req-a", ids, output=OutputOptions(kind="chat", stream=True, top_logprobs=2),
+                    positions=[position(i, [i, 5, 6]) for i in ids], prompt_tail=encode_ids(tables, "x"))
+    b = make_chunks("req-b", ids, [len(ids)], output=OutputOptions(stop=["中"]), prompt_tail=encode_ids(tables, "x"),
+                    finish_reason=None)
+    # Interleave the two requests, as a partition would.
+    for i, c in enumerate(a):
+        lines.append(json.dumps({"key": c.request_id, "value": json.loads(encode(c, JSON))}))
+        if i == 1:
+            lines.append(json.dumps({"key": "req-b", "value": json.loads(encode(b[0], JSON))}))
+    return lines
+
+
+def read_out(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_files_end_to_end(tmp_path, capsys):
+    src, dst, cx = tmp_path / "chunks.jsonl", tmp_path / "results.jsonl", tmp_path / "cancels.jsonl"
+    src.write_text("\n".join(chunk_lines()) + "\n")
+    rc = cli.main(["derender", "--in", str(src), "--out", str(dst), "--tokenizer", str(tokenizer_dir("spm")),
+                   "--model-name", "tiny", "--cancels", str(cx)])
+    assert rc == 0
+    recs = read_out(dst.read_text())
+    keys = [r["key"] for r in recs]
+    assert keys[:2] == ["req-a", "req-a"] and keys[2] == "req-b" and set(keys[3:]) == {"req-a"}
+    for r in recs:
+        value = msgspec.json.decode(json.dumps(r["value"]).encode(), type=ChatCompletionChunk | Completion)
+        openai_validate(value)
+        assert r["headers"]["content-type"] == "application/json"
+        assert r["headers"]["genpipe-schema"] == f"{type(value).__name__}/v1"
+        assert r["value"]["model"] == "tiny"
+    a = [r for r in recs if r["key"] == "req-a"]
+    assert "".join(r["value"]["choices"][0]["delta"]["content"] for r in a) == " hello 中文 world"
+    assert a[-1]["headers"]["genpipe-final"] == "1"
+    (b,) = [r for r in recs if r["key"] == "req-b"]
+    assert b["value"]["choices"][0] == {"index": 0, "text": " hello ", "logprobs": None, "finish_reason": "stop"}
+    (cancel,) = read_out(cx.read_text())
+    assert decode(json.dumps(cancel["value"]).encode(), Cancel, JSON).request_id == "req-b"
+    err = capsys.readouterr().err
+    assert "0 bad lines" in err and "0 unfinished" in err
+
+
+def test_bad_lines_reported_and_skipped(tmp_path, capsys):
+    lines = chunk_lines()
+    lines.insert(1, "not json at all")
+    lines.insert(3, json.dumps({"key": "req-a", "value": {"request_id": "req-a", "attempt": "a1", "seq": "x"}}))
+    lines.insert(4, "")
+    lines.insert(5, json.dumps({"key": "other", "value": json.loads(lines[0])["value"]}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    rc = cli.main(["derender", "--in", str(src), "--out", str(dst), "--tokenizer", str(tokenizer_dir("spm"))])
+    assert rc == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"genpipe derender: {src}:2: not JSON")
+    assert err[1].startswith(f"genpipe derender: {src}:4: seq: expected int")
+    assert err[2].startswith(f"genpipe derender: {src}:6: key 'other' is not the chunk's request_id")
+    assert "3 bad lines" in err[-1]
+    recs = read_out(dst.read_text())
+    assert "".join(r["value"]["choices"][0]["delta"]["content"] for r in recs if r["key"] == "req-a") \
+        == " hello 中文 world"
+
+
+def test_stdin_stdout(monkeypatch, capsys):
+    data = ("\n".join(chunk_lines("bytelevel")) + "\n").encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    rc = cli.main(["derender", "--in", "-", "--out", "-", "--tokenizer", str(tokenizer_dir("bytelevel"))])
+    assert rc == 0
+    out = capsys.readouterr().out
+    recs = read_out(out)
+    assert "".join(r["value"]["choices"][0]["delta"]["content"] for r in recs if r["key"] == "req-a") \
+        == " hello 中文 world"
+
+
+def test_default_tokenizer_is_tiny_spm(tmp_path, monkeypatch, capsys):
+    import workers.generate.tinymodel as tiny
+
+    calls = []
+
+    def fake_default(kind="spm"):
+        calls.append(kind)
+        return tokenizer_dir("spm")
+
+    monkeypatch.setattr(tiny, "default_model_dir", fake_default)
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(chunk_lines()) + "\n")
+    assert cli.main(["derender", "--in", str(src), "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert calls == ["spm"]
+
+
+def test_missing_tokenizer_and_input(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    assert cli.main(["derender", "--in", str(src), "--tokenizer", str(tmp_path / "none")]) == 2
+    assert "cannot load tokenizer" in capsys.readouterr().err
+    assert cli.main(["derender", "--in", str(tmp_path / "missing.jsonl"),
+                     "--tokenizer", str(tokenizer_dir("spm"))]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""The per-request state machine (SPEC §5.5): attempts, restarts, duplicates, bad chunks,
+finished ids, and the helpers the Kafka layer uses for commits."""
+
+from __future__ import annotations
+
+import pytest
+
+from derender_support import (cancels, encode_ids, make_chunks, openai_validate, position, results, run_chunks,
+                              streamed_text, tables_for)
+from schemas.openai import ErrorResponse
+from schemas.records import ChunkError, GenerateChunk, GenerateLogProb, OutputOptions
+from workers.derender.state import CancelRequest, Derenderer, Result, check_chunk
+
+STREAM = OutputOptions(kind="completion", stream=True)
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return tables_for("spm")
+
+
+@pytest.fixture
+def d(tables):
+    return Derenderer(tables, max_logprobs=5, finished_memory=3)
+
+
+def chunks_for(tables, rid="r", text=" one two three", attempt="a1", output=STREAM, **kw):
+    return make_chunks(rid, encode_ids(tables, text), output=output, attempt=attempt,
+                       prompt_tail=encode_ids(tables, "x"), **kw)
+
+
+def only_error(out) -> Result:
+    res = results(out)
+    assert len(res) == 1 and res[0].final and isinstance(res[0].value, ErrorResponse)
+    openai_validate(res[0].value)
+    return res[0]
+
+
+def test_normal_stream_and_bookkeeping(d, tables):
+    cs = chunks_for(tables)
+    first = d.process(cs[0])
+    assert d.active_requests() == ["r"] and d.is_active("r") and not d.is_finished("r")
+    assert [r.headers for r in results(first)] == [{"genpipe-attempt": "a1", "genpipe-seq": "0"}]
+    rest = run_chunks(d, cs[1:])
+    assert d.active_requests() == [] and d.is_finished("r")
+    assert results(rest)[-1].headers == {"genpipe-attempt": "a1", "genpipe-seq": str(len(cs) - 1),
+                                         "genpipe-final": "1"}
+    assert streamed_text(first + rest) == " one two three"
+
+
+def test_new_attempt_restarts(d, tables):
+    a = chunks_for(tables, attempt="A")
+    b = chunks_for(tables, attempt="B")
+    out = run_chunks(d, a[:2])
+    out_b0 = d.process(b[0])
+    assert results(out_b0)[0].headers == {"genpipe-attempt": "B", "genpipe-seq": "0", "genpipe-restart": "1"}
+    # The superseded attempt's later chunks are dropped, the new one goes on.
+    assert d.process(a[2]) == []
+    out_b = run_chunks(d, b[1:])
+    assert all("genpipe-restart" not in r.headers for r in results(out_b))
+    assert streamed_text(out_b0 + out_b) == " one two three"
+    assert d.stats.restarts == 1 and d.stats.dropped_superseded == 1
+    # A finished request ignores later attempts.
+    assert run_chunks(d, chunks_for(tables, attempt="C")) == []
+
+
+def test_restart_header_on_non_streamed_final(d, tables):
+    opts = OutputOptions(kind="chat")
+    run_chunks(d, chunks_for(tables, attempt="A", output=opts)[:1])
+    (res,) = results(run_chunks(d, chunks_for(tables, attempt="B", output=opts)))
+    assert res.headers["genpipe-restart"] == "1" and res.final
+
+
+def test_duplicates_dropped(d, tables):
+    cs = chunks_for(tables)
+    out = []
+    for c in [cs[0], cs[0], cs[1], cs[0], cs[1], *cs[2:]]:
+        out += d.process(c)
+    assert [r.headers["genpipe-seq"] for r in results(out)] == [str(i) for i in range(len(cs))]
+    assert d.stats.dropped_duplicate == 3
+    assert d.process(cs[-1]) == []  # finished: ignored too
+    assert d.stats.dropped_finished == 1
+
+
+def test_seq_gap_is_an_error(d, tables):
+    cs = chunks_for(tables)
+    d.process(cs[0])
+    out = d.process(cs[2])
+    err = only_error(out)
+    assert "seq gap" in err.value.error.message and err.value.error.type == "server_error"
+    assert err.headers == {"genpipe-attempt": "a1", "genpipe-seq": "2", "genpipe-final": "1"}
+    assert cancels(out) == [CancelRequest("r", cancels(out)[0].reason)]
+    assert d.is_finished("r") and d.process(cs[3]) == []
+
+
+def test_unknown_request_not_at_seq_zero(d, tables):
+    cs = chunks_for(tables)
+    err = only_error(d.process(cs[1]))
+    assert "expected 0" in err.value.error.message
+
+
+def test_new_attempt_not_at_seq_zero(d, tables):
+    d.process(chunks_for(tables, attempt="A")[0])
+    only_error(d.process(chunks_for(tables, attempt="B")[1]))
+
+
+def test_token_out_of_vocab(d, tables):
+    cs = chunks_for(tables)
+    cs[1].token_ids = [tables.size]
+    d.process(cs[0])
+    assert "out of vocabulary" in only_error(d.process(cs[1])).value.error.message
+    cs = chunks_for(tables, rid="neg")
+    cs[0].token_ids = [-1]
+    assert "out of vocabulary" in only_error(d.process(cs[0])).value.error.message
+
+
+def test_top_entry_out_of_vocab_and_too_many(d, tables):
+    ids = encode_ids(tables, " one two")
+    positions = [position(i, [i]) for i in ids]
+    positions[0].top_logprobs.append(GenerateLogProb(token_id=tables.size + 5, logprob=-3.0, rank=2))
+    cs = make_chunks("r", ids, output=STREAM, positions=positions)
+    assert "out of vocabulary" in only_error(d.process(cs[0])).value.error.message
+    positions = [position(i, list(range(10, 20)), n=6) for i in ids]  # 6 > max_logprobs=5
+    cs = make_chunks("r2", ids, output=STREAM, positions=positions)
+    assert "max_logprobs=5" in only_error(d.process(cs[0])).value.error.message
+    positions = [position(i, list(range(10, 20)), n=5) for i in ids]
+    assert results(d.process(make_chunks("r3", ids, output=STREAM, positions=positions)[0]))[0].final is False
+
+
+def test_misaligned_logprobs_and_offset(d, tables):
+    ids = encode_ids(tables, " one two")
+    positions = [position(i, [i]) for i in ids]
+    cs = make_chunks("r", ids, [len(ids)], output=STREAM, positions=positions)
+    cs[0].logprobs.content = cs[0].logprobs.content[:-1]
+    assert "entries for" in only_error(d.process(cs[0])).value.error.message
+    cs = make_chunks("r2", ids, [len(ids)], output=STREAM, positions=positions)
+    cs[0].logprobs.content[0].token_id = ids[0] + 1
+    assert "not the sampled id" in only_error(d.process(cs[0])).value.error.message
+    cs = chunks_for(tables, rid="r3")
+    cs[1].token_offset = 7
+    d.process(cs[0])
+    assert "token_offset" in only_error(d.process(cs[1])).value.error.message
+
+
+def test_generate_error_chunk(d, tables):
+    c = GenerateChunk(request_id="bad", attempt="a", seq=0, finish_reason="error",
+                      error=ChunkError(message="prompt_token_ids: unknown token id 99999"),
+                      output=STREAM, reply_topic="my.replies")
+    err = only_error(d.process(c))
+    assert err.value.error.message == "prompt_token_ids: unknown token id 99999"
+    assert err.value.error.type == "invalid_request_error" and err.value.error.code == 400
+    assert err.reply_topic == "my.replies"
+    assert cancels(d.process(c)) == []  # finished; no cancel for a request generate ended
+
+
+def test_reply_topic_on_every_result(d, tables):
+    out = run_chunks(d, chunks_for(tables, reply_topic="client.7"))
+    assert {r.reply_topic for r in results(out)} == {"client.7"}
+
+
+def test_finished_memory_is_bounded(d, tables):
+    for i in range(5):
+        run_chunks(d, chunks_for(tables, rid=f"q{i}", text=" a"))
+    assert [d.is_finished(f"q{i}") for i in range(5)] == [False, False, True, True, True]
+
+
+def test_reset_and_forget(d, tables):
+    d.process(chunks_for(tables, rid="x")[0])
+    d.process(chunks_for(tables, rid="y")[0])
+    d.forget(["x"])
+    assert d.active_requests() == ["y"]
+    d.reset()
+    assert d.active_requests() == [] and not d.is_finished("y")
+    # After a reset the request is replayed from seq 0 as if new.
+    out = run_chunks(d, chunks_for(tables, rid="y"))
+    assert streamed_text(out) == " one two three"
+
+
+def test_replay_reproduces_identical_results(tables):
+    from schemas.codec import JSON, encode
+
+    cs = chunks_for(tables, text=" 中文 🎉 ok", positions=None)
+    first = [encode(r.value, JSON) for r in results(run_chunks(Derenderer(tables), cs))]
+    again = [encode(r.value, JSON) for r in results(run_chunks(Derenderer(tables), cs))]
+    assert first == again
+
+
+def test_check_chunk_pure(tables):
+    c = GenerateChunk(request_id="r", attempt="a", seq=0, token_ids=[1, 2])
+    assert check_chunk(c, tables.size, 20, 0) is None
+    assert "token_offset" in check_chunk(c, tables.size, 20, 3)
+    c.prompt_tail_ids = [tables.size]
+    assert "prompt_tail_ids" in check_chunk(c, tables.size, 20, 0)
+
+
+def test_max_logprobs_negative_means_vocab(tables):
+    d = Derenderer(tables, max_logprobs=-1)
+    assert d.max_logprobs == tables.size

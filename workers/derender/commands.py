@@ -1,0 +1,77 @@
+"""CLI: `genpipe derender` (file mode: chunks in, OpenAI-shaped results out, no Kafka)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from workers.derender.state import DEFAULT_MODEL_NAME
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "derender",
+        help="turn a file of chunks into OpenAI-shaped results (no Kafka)",
+        description=(
+            "Read chunk records as JSON lines {\"key\": REQUEST_ID, \"value\": GenerateChunk} "
+            "and write result records as JSON lines {\"key\", \"headers\", \"value\"} in the "
+            "order a derender worker publishes them. Bad lines are reported on stderr with "
+            "their line number and skipped."
+        ),
+    )
+    p.add_argument("--in", dest="input", required=True, metavar="CHUNKS",
+                   help="chunk JSON lines; - for stdin")
+    p.add_argument("--out", dest="output", default="-", metavar="RESULTS",
+                   help="result JSON lines; - for stdout (default)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="model or tokenizer directory (default: the built-in tiny spm model)")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                   help="`model` of results whose request did not name one (default: %(default)s, "
+                        "as the derender worker)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="more top entries than this per position is an error (default: 20)")
+    p.add_argument("--cancels", metavar="FILE", default=None,
+                   help="also write the Cancel records (stop-string matches) as JSON lines")
+    p.set_defaults(func=run_derender)
+
+
+def run_derender(args: argparse.Namespace) -> int:
+    from workers.derender.filemode import run
+    from workers.derender.state import Derenderer
+
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from workers.generate.tinymodel import default_model_dir
+
+        tokenizer = default_model_dir("spm")
+    try:
+        derenderer = Derenderer(tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs)
+    except (OSError, ValueError) as exc:
+        print(f"genpipe derender: cannot load tokenizer {tokenizer}: {exc}", file=sys.stderr)
+        return 2
+
+    opened = []
+    try:
+        try:
+            source = sys.stdin.buffer if args.input == "-" else _open(args.input, "rb", opened)
+            sink = sys.stdout.buffer if args.output == "-" else _open(args.output, "wb", opened)
+            cancels = _open(args.cancels, "wb", opened) if args.cancels else None
+        except OSError as exc:
+            print(f"genpipe derender: {exc}", file=sys.stderr)
+            return 2
+        name = "stdin" if args.input == "-" else args.input
+        summary = run(derenderer, source, sink, cancels=cancels, source=name)
+        sink.flush()
+    finally:
+        for f in opened:
+            f.close()
+    print(f"genpipe derender: {summary.chunks} chunks -> {summary.results} results, "
+          f"{summary.cancels} cancels, {summary.bad_lines} bad lines, "
+          f"{summary.unfinished} unfinished requests", file=sys.stderr)
+    return 1 if summary.bad_lines else 0
+
+
+def _open(path: str, mode: str, opened: list):
+    f = open(path, mode)
+    opened.append(f)
+    return f

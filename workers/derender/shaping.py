@@ -1,0 +1,200 @@
+"""OpenAI-shaped results from sampled ids and integer logprobs (SPEC §5.4).
+
+Pure functions: they take the positions of one chunk (already validated, see state.py)
+and the request's running values, and build the result Structs directly (no dicts in
+between, no tokenizer calls for clean tokens).
+
+Candidate lists arrive as generate writes them: the sampled token first, then the top
+tokens in rank order, the sampled id once.
+
+* Chat, k = top_logprobs: the first k entries of that list (k = 0 gives []).
+* Completion, k = logprobs: a dict with the sampled token, then every entry of rank <= k,
+  keyed by token string in that order. Equal strings collapse the way a dict does: the
+  key keeps its first place and the later value wins (vLLM builds the same dict).
+* `text_offset` counts Python code points and advances by each token string's length,
+  carried across chunks so streamed and final offsets agree.
+
+Token strings of dirty ids (partial characters) are corrected against the preceding
+sampled ids `hist` (the last 4), the same context for every candidate of a position.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from schemas.openai import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    Completion,
+    CompletionChoice,
+    CompletionLogProbs,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+)
+from schemas.records import GenerateLogProbsContent
+from workers.derender.correction import Corrector, context_key
+
+CTX = 4  # correction context: the last 4 sampled ids
+_EMPTY = ("", [])  # a dirty token with nothing to complete (shared; never mutated)
+
+
+def chat_logprobs(
+    token_ids: Sequence[int],
+    content: Sequence[GenerateLogProbsContent] | None,
+    k: int,
+    corrector: Corrector,
+    hist: list[int],
+) -> list[ChatCompletionLogProbsContent]:
+    """Chat logprob entries for `token_ids`; appends the ids to `hist`.
+
+    A position without logprobs has no entry: OpenAI's chat shape has no null entries.
+    Raises IndexError for a candidate id outside the vocabulary (the caller checked the
+    sampled ids and the candidates past the first k; these are checked here, where they
+    are looked up anyway, to keep the hot path to one pass).
+    """
+    strs, byts, dirty, raw, need, get = corrector.hot
+    LP, LPC = ChatCompletionLogProb, ChatCompletionLogProbsContent
+    out: list[ChatCompletionLogProbsContent] = []
+    append = out.append
+    for i, tid in enumerate(token_ids):
+        pos = content[i] if content is not None else None
+        if pos is not None:
+            ctx = None
+            fix = need[tid]
+            if not fix:
+                s, b = strs[tid], byts[tid]
+            elif fix == 1:
+                s, b = _EMPTY
+            else:
+                ctx = context_key(hist, dirty, raw)
+                s, b = get(ctx, tid) if ctx else _EMPTY
+            tops = []
+            if k:
+                for e in pos.top_logprobs[:k]:
+                    eid = e.token_id
+                    if eid < 0:  # (ids past the vocabulary raise IndexError just below)
+                        raise IndexError(eid)
+                    fix = need[eid]
+                    if not fix:
+                        tops.append(LP(token=strs[eid], logprob=e.logprob, bytes=byts[eid]))
+                    elif fix == 1:
+                        tops.append(LP(token="", logprob=e.logprob, bytes=[]))
+                    else:
+                        if ctx is None:
+                            ctx = context_key(hist, dirty, raw)
+                        es, eb = get(ctx, eid) if ctx else _EMPTY
+                        tops.append(LP(token=es, logprob=e.logprob, bytes=eb))
+            append(LPC(token=s, logprob=pos.logprob, bytes=b, top_logprobs=tops))
+        hist.append(tid)
+    return out
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    content: Sequence[GenerateLogProbsContent] | None,
+    k: int,
+    corrector: Corrector,
+    hist: list[int],
+    out: CompletionLogProbs,
+    offset: int,
+) -> int:
+    """Append the positions of `token_ids` to `out`; returns the next text_offset.
+
+    A position without logprobs still gets its token and offset, with None for the
+    logprob and the top dict (vLLM does the same).
+    """
+    strs, _, dirty, raw, need, get = corrector.hot
+    tokens, token_lps, tops, offsets = out.tokens, out.token_logprobs, out.top_logprobs, out.text_offset
+    for i, tid in enumerate(token_ids):
+        pos = content[i] if content is not None else None
+        ctx = None
+        fix = need[tid]
+        if not fix:
+            s = strs[tid]
+        elif fix == 1:
+            s = ""
+        else:
+            ctx = context_key(hist, dirty, raw)
+            s = get(ctx, tid)[0] if ctx else ""
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if pos is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(pos.logprob)
+            d = {s: pos.logprob}
+            for e in pos.top_logprobs:
+                eid = e.token_id
+                if eid == tid:
+                    continue  # the sampled entry (listed first) is already the first key
+                rank = e.rank
+                if rank is None or rank > k:
+                    continue
+                fix = need[eid]
+                if not fix:
+                    d[strs[eid]] = e.logprob
+                elif fix == 1:
+                    d[""] = e.logprob
+                else:
+                    if ctx is None:
+                        ctx = context_key(hist, dirty, raw)
+                    d[get(ctx, eid)[0] if ctx else ""] = e.logprob
+            tops.append(d)
+        hist.append(tid)
+    return offset
+
+
+# --- result records ----------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def chat_chunk(rid: str, created: int, model: str, text: str, first: bool,
+               content: list[ChatCompletionLogProbsContent] | None,
+               finish_reason: str | None, usage_info: UsageInfo | None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(
+        id="chatcmpl-" + rid, created=created, model=model,
+        choices=[ChatCompletionStreamChoice(
+            delta=DeltaMessage(role="assistant", content=text) if first else DeltaMessage(content=text),
+            logprobs=None if content is None else ChatCompletionLogProbs(content=content),
+            finish_reason=finish_reason)],
+        usage=usage_info)
+
+
+def chat_final(rid: str, created: int, model: str, text: str,
+               content: list[ChatCompletionLogProbsContent] | None,
+               finish_reason: str | None, usage_info: UsageInfo) -> ChatCompletion:
+    return ChatCompletion(
+        id="chatcmpl-" + rid, created=created, model=model,
+        choices=[ChatCompletionChoice(
+            message=ChatMessage(content=text),
+            logprobs=None if content is None else ChatCompletionLogProbs(content=content),
+            finish_reason=finish_reason)],
+        usage=usage_info)
+
+
+def completion(rid: str, created: int, model: str, text: str, logprobs: CompletionLogProbs | None,
+               finish_reason: str | None, usage_info: UsageInfo | None) -> Completion:
+    """`text_completion`, streamed (one per chunk) and final alike, as OpenAI does."""
+    return Completion(
+        id="cmpl-" + rid, created=created, model=model,
+        choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)],
+        usage=usage_info)
+
+
+def error_response(message: str, type_: str = "server_error", code: int | str | None = 500,
+                   param: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))

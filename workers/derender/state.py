@@ -1,0 +1,356 @@
+"""Per-request state machine of the derender worker (SPEC §5.5).
+
+`Derenderer.process(chunk)` is pure and synchronous: one decoded `GenerateChunk` in,
+a list of outputs (`Result` records to publish, `CancelRequest`s for the cancel topic)
+out, in the order they must be published. The Kafka layer wraps it; it never needs to
+look inside a request's state except through `active_requests()` / `is_finished()`.
+
+Rules, in the order they are applied to a chunk:
+1. A request in the recently-finished set ignores every later chunk (any attempt).
+2. Attempts: a chunk of a superseded attempt is dropped; seq 0 of a new attempt for an
+   unfinished request resets the state and its first result carries
+   `genpipe-restart: 1`; any other chunk of an unknown attempt is a seq gap.
+3. Duplicates: a seq already processed in the current attempt is dropped.
+4. A chunk that breaks the rules (seq gap, token id out of vocab, logprobs not aligned
+   with token_ids, more top entries than max_logprobs, token_offset not where the output
+   is) ends the request with an OpenAI error result (and a cancel, so generate stops).
+5. Otherwise: text (with stop strings) and logprobs; one result per chunk when
+   streaming, one final result otherwise. A stop-string match cuts the text, finishes
+   with `stop`, and asks generate to cancel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+import msgspec
+
+from schemas.openai import (ChatCompletion, ChatCompletionChunk, Completion, CompletionLogProbs,
+                            ErrorResponse)
+from schemas.records import GenerateChunk, OutputOptions
+from workers.derender import shaping
+from workers.derender.correction import Corrector
+from workers.derender.detokenizer import Detokenizer, StopMatcher
+from workers.derender.vocab import VocabTables, load_tables
+
+# `model` in results when the request names none; the same in the worker, file mode and
+# replay, so a replay or a file-mode run reproduces the worker's records byte for byte.
+DEFAULT_MODEL_NAME = "genpipe-tiny"
+
+H_ATTEMPT, H_SEQ, H_FINAL, H_RESTART = "genpipe-attempt", "genpipe-seq", "genpipe-final", "genpipe-restart"
+
+
+class Result(msgspec.Struct):
+    """One record for the results topic (or the request's reply_topic when set)."""
+
+    request_id: str
+    reply_topic: str | None
+    value: Union[ChatCompletionChunk, ChatCompletion, Completion, ErrorResponse]
+    headers: dict[str, str]  # genpipe-attempt, genpipe-seq, [genpipe-final], [genpipe-restart]
+    final: bool
+
+
+class CancelRequest(msgspec.Struct):
+    """Ask generate to stop a request (publish a `Cancel` on the cancel topic)."""
+
+    request_id: str
+    reason: str
+
+
+Output = Union[Result, CancelRequest]
+
+
+@dataclass(slots=True)
+class Stats:
+    chunks: int = 0
+    results: int = 0
+    dropped_finished: int = 0
+    dropped_superseded: int = 0
+    dropped_duplicate: int = 0
+    restarts: int = 0
+    rule_errors: int = 0
+    stop_matches: int = 0
+
+
+class BadChunk(Exception):
+    """A chunk breaks the rules in a way only found while rendering it."""
+
+
+class _Request:
+    __slots__ = ("attempt", "superseded", "next_seq", "restart", "chat", "stream", "k", "opts",
+                 "reply_topic", "created", "model", "prompt_tokens", "generated", "detok", "stop",
+                 "hist", "offset", "first", "has_lp", "parts", "chat_lp", "comp_lp")
+
+
+class Derenderer:
+    """Chunks in, OpenAI-shaped results out. Not thread-safe; one per consumer (or per
+    partition: pass the same `VocabTables`/`Corrector` to share tables and cache)."""
+
+    def __init__(self, tokenizer_dir_or_tables, *, model_name: str = DEFAULT_MODEL_NAME, max_logprobs: int = 20,
+                 finished_memory: int = 100_000, corrector: Corrector | None = None):
+        if isinstance(tokenizer_dir_or_tables, VocabTables):
+            tables = tokenizer_dir_or_tables
+        elif hasattr(tokenizer_dir_or_tables, "decode_batch"):  # a tokenizers.Tokenizer
+            tables = VocabTables(tokenizer_dir_or_tables)
+        else:
+            tables = load_tables(tokenizer_dir_or_tables)
+        self.tables = tables
+        self.corrector = corrector if corrector is not None else Corrector(tables)
+        self.model_name = model_name
+        # -1 (or any negative) means "the whole vocabulary", as for generate's setting.
+        self.max_logprobs = max_logprobs if max_logprobs >= 0 else tables.size
+        self.finished_memory = finished_memory
+        self._active: dict[str, _Request] = {}
+        self._finished: dict[str, None] = {}  # insertion-ordered: oldest evicted first
+        self.stats = Stats()
+
+    # --- what the Kafka layer needs --------------------------------------------------
+    def active_requests(self) -> list[str]:
+        """Ids of requests started but not finished (their first offsets pin commits)."""
+        return list(self._active)
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    def is_finished(self, request_id: str) -> bool:
+        return request_id in self._finished
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop all state of these requests (e.g. their partition was revoked)."""
+        for rid in request_ids:
+            self._active.pop(rid, None)
+            self._finished.pop(rid, None)
+
+    def reset(self) -> None:
+        """Drop all state (all partitions revoked); tables and cache stay."""
+        self._active.clear()
+        self._finished.clear()
+
+    # --- the state machine -----------------------------------------------------------
+    def process(self, chunk: GenerateChunk) -> list[Output]:
+        self.stats.chunks += 1
+        rid = chunk.request_id
+        if rid in self._finished:
+            self.stats.dropped_finished += 1
+            return []
+        req = self._active.get(rid)
+        if req is None:
+            if chunk.seq != 0:
+                return self._fail(rid, None, chunk, f"seq gap: first chunk seen of attempt "
+                                  f"{chunk.attempt!r} has seq {chunk.seq}, expected 0")
+            req = self._start(chunk, restart=False, superseded=set())
+        elif chunk.attempt != req.attempt:
+            if chunk.attempt in req.superseded:
+                self.stats.dropped_superseded += 1
+                return []
+            if chunk.seq != 0:
+                return self._fail(rid, req, chunk, f"seq gap: first chunk seen of attempt "
+                                  f"{chunk.attempt!r} has seq {chunk.seq}, expected 0")
+            req.superseded.add(req.attempt)
+            self.stats.restarts += 1
+            req = self._start(chunk, restart=True, superseded=req.superseded)
+        elif chunk.seq != req.next_seq:
+            if chunk.seq < req.next_seq:
+                self.stats.dropped_duplicate += 1
+                return []
+            return self._fail(rid, req, chunk, f"seq gap in attempt {chunk.attempt!r}: "
+                              f"got seq {chunk.seq}, expected {req.next_seq}")
+        problem = check_chunk(chunk, self.tables.size, self.max_logprobs, req.generated,
+                              req.k if req.chat else 0)
+        if problem is not None:
+            return self._fail(rid, req, chunk, problem)
+        req.next_seq = chunk.seq + 1
+        if chunk.finish_reason == "error":
+            err = chunk.error
+            kind = err.type if err is not None else "server_error"
+            value = shaping.error_response(
+                err.message if err is not None else "generation failed",
+                kind, 400 if kind == "invalid_request_error" else 500)
+            return [self._finish(req, rid, chunk, value)]
+        try:
+            return self._render(req, rid, chunk)
+        except BadChunk as exc:
+            return self._fail(rid, req, chunk, str(exc))
+
+    def _start(self, chunk: GenerateChunk, *, restart: bool, superseded: set) -> _Request:
+        opts = chunk.output or OutputOptions()
+        tail = chunk.prompt_tail_ids or ()
+        if any(not 0 <= t < self.tables.size for t in tail):
+            tail = ()  # reported by check_chunk; do not crash seeding on it
+        req = _Request()
+        req.attempt, req.superseded, req.next_seq, req.restart = chunk.attempt, superseded, 0, restart
+        req.opts, req.chat, req.stream = opts, opts.kind == "chat", opts.stream
+        req.k = max(0, opts.top_logprobs)
+        req.reply_topic = chunk.reply_topic
+        req.created = opts.created if opts.created is not None else (chunk.sampled_at_ns or 0) // 10**9
+        req.model = opts.model or self.model_name
+        req.prompt_tokens = chunk.prompt_token_count or 0
+        req.generated = 0
+        req.detok = Detokenizer(self.tables, skip_special_tokens=opts.skip_special_tokens, prompt_tail=tail)
+        stops = [s for s in opts.stop if s]
+        req.stop = StopMatcher(stops, opts.include_stop_str_in_output) if stops else None
+        req.hist, req.offset, req.first, req.has_lp = [], 0, True, False
+        req.parts, req.chat_lp, req.comp_lp = [], [], CompletionLogProbs()
+        self._active[chunk.request_id] = req
+        return req
+
+    def _render(self, req: _Request, rid: str, chunk: GenerateChunk) -> list[Output]:
+        ids = chunk.token_ids
+        fr = chunk.finish_reason
+        opts = req.opts
+        # Text. A stop *token* (eos or stop_token_ids) is not part of the text unless
+        # include_stop_str_in_output (vLLM's rule); its logprobs are still reported.
+        text_ids = ids
+        if (fr == "stop" and chunk.stop_token_id is not None and ids and ids[-1] == chunk.stop_token_id
+                and not opts.include_stop_str_in_output):
+            text_ids = ids[:-1]
+        detok, stop = req.detok, req.stop
+        matched = False
+        n_keep = len(ids)
+        if stop is None:
+            text = detok.feed(text_ids)
+            if fr is not None:
+                text += detok.flush()
+        else:
+            pieces = []
+            for i, tid in enumerate(text_ids):
+                piece, matched = stop.feed(detok.step(tid))
+                pieces.append(piece)
+                if matched:
+                    n_keep = i + 1
+                    break
+            if not matched and fr is not None:
+                piece, matched = stop.feed(detok.flush())
+                pieces.append(piece)
+                if not matched:
+                    pieces.append(stop.flush())
+            text = "".join(pieces)
+        final = fr is not None or matched
+        if matched:
+            fr = "stop"
+            self.stats.stop_matches += 1
+        # Logprobs of the kept positions.
+        kept = ids if n_keep == len(ids) else ids[:n_keep]
+        lp = chunk.logprobs
+        content = lp.content if lp is not None else None
+        if content is not None:
+            req.has_lp = True
+            if n_keep != len(content):
+                content = content[:n_keep]
+        hist = req.hist
+        req.generated += n_keep
+        if req.chat:
+            if content is not None:
+                try:
+                    lp_entries = shaping.chat_logprobs(kept, content, req.k, self.corrector, hist)
+                except IndexError:  # a candidate id past the vocabulary (checked here, once)
+                    bad = next(e.token_id for pos in content for e in pos.top_logprobs
+                               if not 0 <= e.token_id < self.tables.size)
+                    raise BadChunk(f"top_logprobs id {bad} out of vocabulary (size {self.tables.size})") from None
+            else:
+                hist.extend(kept)
+                lp_entries = None
+        else:
+            comp_lp = None
+            if content is not None or req.has_lp:
+                comp_lp = req.comp_lp if not req.stream else CompletionLogProbs()
+                req.offset = shaping.completion_logprobs(kept, content, req.k, self.corrector, hist,
+                                                         comp_lp, req.offset)
+            else:
+                hist.extend(kept)
+        if len(hist) > 64:
+            del hist[:-shaping.CTX]
+
+        out: list[Output] = []
+        if req.stream:
+            usage = shaping.usage(req.prompt_tokens, req.generated) if final and opts.include_usage else None
+            if req.chat:
+                value = shaping.chat_chunk(rid, req.created, req.model, text, req.first, lp_entries,
+                                           fr if final else None, usage)
+            else:
+                value = shaping.completion(rid, req.created, req.model, text, comp_lp,
+                                           fr if final else None, usage)
+            req.first = False
+            out.append(self._finish(req, rid, chunk, value) if final else self._result(req, rid, chunk, value, False))
+        else:
+            req.parts.append(text)
+            if req.chat and lp_entries:
+                req.chat_lp.extend(lp_entries)
+            if final:
+                usage = shaping.usage(req.prompt_tokens, req.generated)
+                full = "".join(req.parts)
+                if req.chat:
+                    value = shaping.chat_final(rid, req.created, req.model, full,
+                                               req.chat_lp if req.has_lp else None, fr, usage)
+                else:
+                    value = shaping.completion(rid, req.created, req.model, full,
+                                               req.comp_lp if req.has_lp else None, fr, usage)
+                out.append(self._finish(req, rid, chunk, value))
+        if matched and chunk.finish_reason is None:
+            out.append(CancelRequest(rid, "stop string matched"))
+        return out
+
+    # --- records and bookkeeping -----------------------------------------------------
+    def _result(self, req: _Request, rid: str, chunk: GenerateChunk, value, final: bool) -> Result:
+        headers = {H_ATTEMPT: chunk.attempt, H_SEQ: str(chunk.seq)}
+        if req is not None and req.restart:
+            headers[H_RESTART] = "1"
+            req.restart = False
+        if final:
+            headers[H_FINAL] = "1"
+        self.stats.results += 1
+        topic = req.reply_topic if req is not None else chunk.reply_topic
+        return Result(rid, topic, value, headers, final)
+
+    def _finish(self, req: _Request | None, rid: str, chunk: GenerateChunk, value) -> Result:
+        result = self._result(req, rid, chunk, value, True)
+        self._active.pop(rid, None)
+        finished = self._finished
+        finished[rid] = None
+        if len(finished) > self.finished_memory:
+            del finished[next(iter(finished))]
+        return result
+
+    def _fail(self, rid: str, req: _Request | None, chunk: GenerateChunk, message: str) -> list[Output]:
+        self.stats.rule_errors += 1
+        value = shaping.error_response(f"derender: bad chunk for request {rid!r}: {message}")
+        out: list[Output] = [self._finish(req, rid, chunk, value)]
+        if chunk.finish_reason is None:
+            out.append(CancelRequest(rid, f"derender error: {message}"))
+        return out
+
+
+def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
+                checked_later: int = 0) -> str | None:
+    """Why `chunk` breaks the rules, or None (pure; SPEC §5.5 "bad chunks").
+
+    `checked_later`: the first n candidates of each position are range-checked by the
+    chat shaping, which looks them up anyway; only the rest are checked here.
+    """
+    ids = chunk.token_ids
+    if chunk.token_offset != generated:
+        return f"token_offset {chunk.token_offset} but {generated} tokens came before"
+    for t in ids:
+        if t >= vocab_size or t < 0:
+            return f"token id {t} out of vocabulary (size {vocab_size})"
+    tail = chunk.prompt_tail_ids
+    if tail and (min(tail) < 0 or max(tail) >= vocab_size):
+        return f"prompt_tail_ids hold an id out of vocabulary (size {vocab_size})"
+    lp = chunk.logprobs
+    if lp is None or lp.content is None:
+        return None
+    content = lp.content
+    if len(content) != len(ids):
+        return f"logprobs.content has {len(content)} entries for {len(ids)} token ids"
+    for i, pos in enumerate(content):
+        if pos.token_id != ids[i]:
+            return f"logprobs.content[{i}].token_id {pos.token_id} is not the sampled id {ids[i]}"
+        tops = pos.top_logprobs
+        if len(tops) > max_logprobs:
+            return f"position {i} has {len(tops)} top entries, more than max_logprobs={max_logprobs}"
+        if len(tops) > checked_later:
+            for e in tops[checked_later:] if checked_later else tops:
+                if e.token_id >= vocab_size or e.token_id < 0:
+                    return f"top_logprobs id {e.token_id} at position {i} out of vocabulary (size {vocab_size})"
+    return None
