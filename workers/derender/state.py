@@ -68,6 +68,7 @@ class Stats:
     dropped_finished: int = 0
     dropped_superseded: int = 0
     dropped_duplicate: int = 0
+    dropped_unknown: int = 0
     restarts: int = 0
     rule_errors: int = 0
     stop_matches: int = 0
@@ -137,8 +138,12 @@ class Derenderer:
         req = self._active.get(rid)
         if req is None:
             if chunk.seq != 0:
-                return self._fail(rid, None, chunk, f"seq gap: first chunk seen of attempt "
-                                  f"{chunk.attempt!r} has seq {chunk.seq}, expected 0")
+                # The worker commits at the first offset of every unfinished request, so it
+                # never starts reading in the middle of one: a request first seen past seq 0
+                # finished before the replay point (a straggler of a superseded attempt).
+                # Answering it again would publish a second final for a finished request.
+                self.stats.dropped_unknown += 1
+                return []
             req = self._start(chunk, restart=False, superseded=set())
         elif chunk.attempt != req.attempt:
             if chunk.attempt in req.superseded:
