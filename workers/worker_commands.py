@@ -33,6 +33,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "for both workers.")
     parser.add_argument("--grace-period", type=float, default=None,
                         help="seconds to finish in-flight work after SIGTERM")
+    parser.add_argument("--commit-interval-ms", type=float, default=500.0,
+                        help="how often finished work is committed (default %(default)s ms)")
     parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
 
 
@@ -41,12 +43,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     from workers.generate.worker import ChunkPolicy
 
     _setup_logging(args.log_level)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     settings = KafkaSettings.from_args(args, client_id="genpipe-generate")
     config = GenerateWorkerConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
         group_id=args.group_id or f"{settings.topic_prefix}-generate",
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
+        commit_interval_s=args.commit_interval_ms / 1000,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
@@ -59,7 +66,8 @@ def _run_derender(args: argparse.Namespace) -> int:
     config = DerenderWorkerConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
         group_id=args.group_id or f"{settings.topic_prefix}-derender",
-        grace_s=args.grace_period if args.grace_period is not None else 10.0)
+        grace_s=args.grace_period if args.grace_period is not None else 10.0,
+        commit_interval_s=args.commit_interval_ms / 1000)
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 
 
@@ -107,6 +115,9 @@ def register(sub) -> None:
     gen.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     gen.add_argument("--prefill-chunk", type=int, default=512,
                      help="prompt tokens prefilled per step, so long prompts don't stall decoding")
+    gen.add_argument("--threads", type=int, default=_env_int("GENPIPE_TORCH_THREADS", 0),
+                     help="torch CPU threads (env GENPIPE_TORCH_THREADS; 0 = torch's default). Small "
+                          "models on few cores run faster with 1 (see BENCHMARKS.md)")
     gen.add_argument("--coalesce-max-tokens", type=int, default=16,
                      help="when the producer lags, at most this many tokens per chunk")
     gen.add_argument("--coalesce-max-delay-ms", type=float, default=20.0,

@@ -19,6 +19,7 @@ class DerenderWorkerConfig:
     max_logprobs: int = 20
     group_id: str = "genpipe-derender"
     grace_s: float = 10.0
+    commit_interval_s: float = 0.5
 
 
 def load_derenderer(config: DerenderWorkerConfig):
@@ -39,4 +40,4 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
 
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,
-                       worker="derender")
+                       worker="derender", loop_options={"commit_interval_s": config.commit_interval_s})

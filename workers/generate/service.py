@@ -30,6 +30,7 @@ class GenerateWorkerConfig:
     max_logprobs: int = 20
     group_id: str = "genpipe-generate"
     grace_s: float = 30.0
+    commit_interval_s: float = 0.5
     cancel_lookback_s: float = 300.0  # cancels this old still stop a request that arrives late
     policy: ChunkPolicy = field(default_factory=ChunkPolicy)
 
@@ -74,7 +75,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     try:
         return await serve(settings, topic=settings.topic("requests"), group_id=config.group_id,
                            make_handler=make_handler, stop=stop, grace_s=config.grace_s,
-                           background=background, on_ready=on_ready, worker="generate")
+                           background=background, on_ready=on_ready, worker="generate",
+                           loop_options={"commit_interval_s": config.commit_interval_s})
     finally:
         if "thread" in holder:
             holder["thread"].stop()

@@ -45,6 +45,46 @@ class Publisher:
         self._track(future)
         return future
 
+    async def publish_batch(self, records: list[Outgoing]) -> list[asyncio.Future]:
+        """Publish many records with one producer batch per partition; a future per record.
+
+        Many single send() calls cost ~3.5x more than batches (NOTES.md); the generate
+        worker publishes every step's chunks this way. Order within a partition is the
+        order of `records`. Records without a partition go through publish().
+        """
+        futures: list[asyncio.Future | None] = [None] * len(records)
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, record in enumerate(records):
+            partition = record.partition
+            if partition is not None and partition < await self.partition_count(record.topic):
+                groups.setdefault((record.topic, partition), []).append(i)
+            else:
+                futures[i] = await self.publish(record)
+        for (topic, partition), indexes in groups.items():
+            batch, members = self.producer.create_batch(), []
+            for i in indexes:
+                record = records[i]
+                appended = batch.append(key=record.key.encode(), value=record.kafka_value(),
+                                        timestamp=None, headers=record.kafka_headers())
+                if appended is None:  # full: send it and start the next one
+                    await self._send_batch(batch, topic, partition, members, futures)
+                    batch, members = self.producer.create_batch(), []
+                    batch.append(key=record.key.encode(), value=record.kafka_value(),
+                                 timestamp=None, headers=record.kafka_headers())
+                members.append(i)
+            await self._send_batch(batch, topic, partition, members, futures)
+        return futures
+
+    async def _send_batch(self, batch, topic: str, partition: int, members: list[int], futures: list) -> None:
+        if not members:
+            return
+        batch.close()
+        future = await self.producer.send_batch(batch, topic, partition=partition)
+        self.in_flight += len(members) - 1  # _track counts one
+        self._track(future, len(members))
+        for i in members:
+            futures[i] = future
+
     async def to_dlq(self, message, error: str) -> asyncio.Future:
         """Copy a refused record to the DLQ: original key and bytes, source coordinates, error."""
         log.warning("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
@@ -53,17 +93,17 @@ class Publisher:
         self._track(future)
         return future
 
-    def _track(self, future: asyncio.Future) -> None:
+    def _track(self, future: asyncio.Future, records: int = 1) -> None:
         self.in_flight += 1
-        future.add_done_callback(self._done)
+        future.add_done_callback(lambda f: self._done(f, records))
 
-    def _done(self, future: asyncio.Future) -> None:
-        self.in_flight -= 1
+    def _done(self, future: asyncio.Future, records: int) -> None:
+        self.in_flight -= records
         if future.cancelled() or future.exception() is not None:
-            self.failed += 1
+            self.failed += records
             log.error("publish failed: %s", "cancelled" if future.cancelled() else future.exception())
         else:
-            self.published += 1
+            self.published += records
 
     async def flush(self) -> None:
         await self.producer.flush()

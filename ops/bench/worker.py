@@ -1,0 +1,174 @@
+"""Engine bench (c): the generate worker through a real broker vs the engine alone.
+
+Same workload on both sides (N greedy requests, EOS ignored, max_tokens spread evenly
+over 8..256, batch 32, one torch thread): the engine in this process, then a
+`genpipe generate-worker` process fed through Kafka, timed from the first request sent
+to the last final chunk read back. Prints tokens/s for both and the ratio (goal >= 0.9x).
+
+    python ops/bench/worker.py [--bootstrap-servers 127.0.0.1:9092] [--requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from schemas import GenerateChunk, GenerateRequest, SamplingParams, encode, headers_for  # noqa: E402
+from workers.kafka.clients import make_producer  # noqa: E402
+from workers.kafka.follow import follow  # noqa: E402
+from workers.kafka.records import decode_message  # noqa: E402
+from workers.kafka.settings import KafkaSettings  # noqa: E402
+
+
+def workload(n: int, vocab: int, rng: random.Random) -> list[GenerateRequest]:
+    lengths = [8 + (256 - 8) * i // max(1, n - 1) for i in range(n)]
+    rng.shuffle(lengths)
+    return [GenerateRequest(request_id=f"w{i}-{uuid.uuid4().hex[:6]}",
+                            prompt_token_ids=[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(6, 60))],
+                            sampling=SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            for i, m in enumerate(lengths)]
+
+
+def engine_alone(model_dir: str, requests: list[GenerateRequest], batch: int) -> tuple[int, float]:
+    from workers.generate.engine import Engine
+
+    engine = Engine(model_dir, max_batch=batch)
+    warm = GenerateRequest(request_id="warm", prompt_token_ids=[1, 5], sampling=SamplingParams(max_tokens=4))
+    engine.add(warm)
+    while engine.has_work():
+        engine.step()
+    start = time.perf_counter()
+    for request in requests:
+        engine.add(request)
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens, time.perf_counter() - start
+
+
+async def until_committed(settings: KafkaSettings, requests: list[GenerateRequest], group: str) -> tuple[int, float]:
+    """Send the requests; done when the worker's group has committed past all of them.
+
+    The worker commits a request only once the broker acknowledged its final chunk, so
+    this is the same end point as reading the chunks back, without a consumer in this
+    process competing with the worker for the two cores.
+    """
+    from aiokafka import TopicPartition
+
+    from workers.kafka.clients import make_admin
+
+    admin = make_admin(settings)
+    await admin.start()
+    producer = make_producer(settings)
+    await producer.start()
+    topic = settings.topic("requests")
+    tps = [TopicPartition(topic, p) for p in range(4)]
+    base = await admin.list_consumer_group_offsets(group, partitions=tps)
+    start_total = sum(max(0, om.offset) for om in base.values() if om is not None)
+    start = time.perf_counter()
+    for request in requests:
+        await producer.send(topic, encode(request), key=request.request_id.encode(), headers=headers_for(request))
+    await producer.flush()
+    while True:
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+        if sum(max(0, om.offset) for om in committed.values() if om is not None) - start_total >= len(requests):
+            break
+        await asyncio.sleep(0.01)  # polling the committed offsets, the condition itself
+    elapsed = time.perf_counter() - start
+    await producer.stop()
+    await admin.close()
+    return sum(r.sampling.max_tokens for r in requests), elapsed
+
+
+async def through_kafka(settings: KafkaSettings, requests: list[GenerateRequest]) -> tuple[int, float]:
+    pending = {r.request_id for r in requests}
+    tokens = 0
+    done = asyncio.Event()
+    stop, ready = asyncio.Event(), asyncio.Event()
+
+    def on_chunk(message) -> None:
+        nonlocal tokens
+        chunk = decode_message(message, GenerateChunk)
+        if chunk.request_id in pending or chunk.finish_reason is None:
+            tokens += len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            pending.discard(chunk.request_id)
+            if not pending:
+                done.set()
+
+    reader = asyncio.ensure_future(follow(settings, settings.topic("chunks"), on_chunk, stop, ready=ready))
+    await ready.wait()
+    producer = make_producer(settings)
+    await producer.start()
+    start = time.perf_counter()
+    for request in requests:
+        await producer.send(settings.topic("requests"), encode(request), key=request.request_id.encode(),
+                            headers=headers_for(request))
+    await producer.flush()
+    await asyncio.wait_for(done.wait(), 600)
+    elapsed = time.perf_counter() - start
+    await producer.stop()
+    stop.set()
+    await reader
+    return tokens, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+
+    import torch
+
+    from workers.broker.topics import create_topics
+    from workers.generate.tinymodel import default_model_dir
+
+    torch.set_num_threads(1)
+    model_dir = str(default_model_dir("spm"))
+    rng = random.Random(0)
+    requests = workload(args.requests, 2000, rng)
+    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
+    asyncio.run(create_topics(settings, partitions=4))
+
+    ref_tokens, ref_s = engine_alone(model_dir, requests, args.batch)
+    log = open(Path(tempfile.mkdtemp(prefix="genpipe-bench-")) / "generate.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "generate-worker", "--model", model_dir,
+                             "--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
+                             "--max-batch", str(args.batch), "--threads", "1", "--commit-interval-ms", "20",
+                             "--group-id", f"{settings.topic_prefix}-gen"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        warm = [GenerateRequest(request_id=f"warm-{i}", prompt_token_ids=[1, 5], sampling=SamplingParams(max_tokens=4))
+                for i in range(2)]
+        asyncio.run(through_kafka(settings, warm))  # the worker has joined and loaded
+        tokens, seconds = asyncio.run(until_committed(settings, requests, f"{settings.topic_prefix}-gen"))
+        read_tokens, read_seconds = asyncio.run(through_kafka(settings, workload(args.requests, 2000, random.Random(0))))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    ours, ref = tokens / seconds, ref_tokens / ref_s
+    print(f"{args.requests} requests, max_tokens 8..256, batch {args.batch}, 1 torch thread, tiny model on CPU")
+    print(f"engine alone, in-process : {ref_tokens:>6} tokens in {ref_s:6.2f} s = {ref:8.0f} tok/s")
+    print(f"worker through Kafka     : {tokens:>6} tokens in {seconds:6.2f} s = {ours:8.0f} tok/s"
+          f"   (done = all finals acknowledged and committed)")
+    print(f"ratio (goal >= 0.9x)     : {ours / ref:.2f}x")
+    read = read_tokens / read_seconds
+    print(f"same, chunks read back by this process: {read:8.0f} tok/s = {read / ref:.2f}x "
+          f"(a consumer here competes for the 2 cores)")
+
+
+if __name__ == "__main__":
+    main()
