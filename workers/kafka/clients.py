@@ -1,7 +1,8 @@
 """Producer, consumer and admin construction from one KafkaSettings.
 
 The defaults are the ones token streaming needs (see NOTES.md): idempotent producer
-with acks=all and a 1 ms linger; consumers without auto-commit (workers commit only what
+with acks=all and no linger (a token waits for nothing; the generate worker batches a
+whole step's chunks itself, and records queue up anyway while a request is in flight); consumers without auto-commit (workers commit only what
 is safe, SPEC §4/§5.5) and a short fetch wait so tokens are not held for 500 ms.
 """
 
@@ -17,7 +18,7 @@ def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
     options = dict(
         enable_idempotence=True,  # retries never duplicate or reorder a partition's records
         acks="all",
-        linger_ms=1,
+        linger_ms=0,
         max_batch_size=256 * 1024,
         request_timeout_ms=30000,
     )
