@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from workers.derender.commands import add_derender_options
+
 _SUBMIT_EPILOG = """\
 examples:
   genpipe submit --prompt "Once upon a time" --max-tokens 32
@@ -439,13 +441,7 @@ def _add_replay(subparsers) -> None:
     target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
     p.add_argument("--chunks-topic", type=_topic_arg, default=None, metavar="TOPIC",
                    help="topic to read (default: <prefix>.chunks)")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="model or tokenizer directory (default: the built-in tiny spm model)")
-    p.add_argument("--model-name", default=None,
-                   help="`model` of results whose request named none (default: the derender "
-                        "worker's default, genpipe-tiny)")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="more top entries than this per position is an error (default: 20)")
+    add_derender_options(p)
     p.add_argument("--keep-partial", action="store_true",
                    help="also feed requests whose first chunk is before the range (they end in "
                         "a seq-gap error result)")

@@ -8,6 +8,17 @@ import sys
 from workers.derender.state import DEFAULT_MODEL_NAME
 
 
+def add_derender_options(p: argparse.ArgumentParser) -> None:
+    """The options every offline derender (file mode, replay) shares with the worker."""
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="model or tokenizer directory (default: the built-in tiny spm model)")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                   help="`model` of results whose request did not name one (default: %(default)s, "
+                        "as the derender worker)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="more top entries than this per position is an error (default: 20)")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "derender",
@@ -23,13 +34,7 @@ def register(subparsers) -> None:
                    help="chunk JSON lines; - for stdin")
     p.add_argument("--out", dest="output", default="-", metavar="RESULTS",
                    help="result JSON lines; - for stdout (default)")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="model or tokenizer directory (default: the built-in tiny spm model)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
-                   help="`model` of results whose request did not name one (default: %(default)s, "
-                        "as the derender worker)")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="more top entries than this per position is an error (default: 20)")
+    add_derender_options(p)
     p.add_argument("--cancels", metavar="FILE", default=None,
                    help="also write the Cancel records (stop-string matches) as JSON lines")
     p.set_defaults(func=run_derender)
