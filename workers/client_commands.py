@@ -53,7 +53,7 @@ headers), e.g. after a derender bug fix or to fill a new topic:
 --from ISO-TIME starts each partition at its first record at or after that time. The
 range ends at --to OFFSET (exclusive) or at the end offsets seen when the replay starts.
 Requests whose first chunk (seq 0) lies before the range cannot be rebuilt and are
-skipped (reported on stderr) unless --keep-partial. Cancels (stop strings) are not sent.
+skipped and reported on stderr. Cancels (stop strings) are not sent.
 The --out lines have the format of `genpipe derender --out`.
 """
 
@@ -442,9 +442,6 @@ def _add_replay(subparsers) -> None:
     p.add_argument("--chunks-topic", type=_topic_arg, default=None, metavar="TOPIC",
                    help="topic to read (default: <prefix>.chunks)")
     add_derender_options(p)
-    p.add_argument("--keep-partial", action="store_true",
-                   help="also feed requests whose first chunk is before the range (they end in "
-                        "a seq-gap error result)")
     _kafka_arguments(p)
     p.set_defaults(func=run_replay)
 
@@ -595,12 +592,11 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                         continue
                     summary["chunks"] += 1
                     rid = chunk.request_id
-                    if not args.keep_partial:
-                        if rid in skipped:
-                            continue
-                        if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
-                            skipped.add(rid)
-                            continue
+                    if rid in skipped:
+                        continue
+                    if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
+                        skipped.add(rid)  # began before the range: cannot be rebuilt
+                        continue
                     for output in derenderer.process(chunk):
                         if not isinstance(output, Result):
                             continue  # a stop-string cancel: the live pipeline sent it already
