@@ -44,7 +44,7 @@ from schemas.openai import ChatCompletionLogProb, ChatCompletionLogProbsContent 
 from schemas.records import (GenerateChunk, GenerateLogProb, GenerateLogProbs,  # noqa: E402
                              GenerateLogProbsContent, OutputOptions)
 from workers.derender import shaping  # noqa: E402
-from workers.derender.state import Derenderer, Result  # noqa: E402
+from workers.derender.state import DEFAULT_MODEL_NAME, Derenderer, Result  # noqa: E402
 from workers.derender.vocab import REPLACEMENT, VocabTables, load_tokenizer  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "workers" / "generate" / "corpus"
@@ -129,7 +129,7 @@ class Logprob:  # vLLM's per-candidate record
 class ReferenceDerender:
     """vLLM-style: a decode call per candidate, corrections by re-decoding, DecodeStream."""
 
-    def __init__(self, tokenizer, model_name: str = "genpipe"):
+    def __init__(self, tokenizer, model_name: str = DEFAULT_MODEL_NAME):
         self.tok = tokenizer
         self.model_name = model_name
         self.requests: dict[str, dict] = {}
@@ -225,7 +225,7 @@ class RecordsOnly:
             top_logprobs=[ChatCompletionLogProb(token=strs[e.token_id], logprob=e.logprob, bytes=byts[e.token_id])
                           for e in pos.top_logprobs[:k]]) for pos in chunk.logprobs.content]
         text = "".join(strs[t] for t in chunk.token_ids)
-        value = shaping.chat_chunk(chunk.request_id, 0, "genpipe", text, chunk.seq == 0, content,
+        value = shaping.chat_chunk(chunk.request_id, 0, DEFAULT_MODEL_NAME, text, chunk.seq == 0, content,
                                    chunk.finish_reason, None)
         headers = {"genpipe-attempt": chunk.attempt, "genpipe-seq": str(chunk.seq)}
         return [Result(chunk.request_id, None, value, headers, chunk.finish_reason is not None)]
