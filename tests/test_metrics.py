@@ -1,0 +1,63 @@
+"""Prometheus metrics: a worker's counters move and the endpoint serves them."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+
+from schemas import GenerateRequest, SamplingParams, encode, headers_for
+from tests.kafka_helpers import wait_for
+from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+from workers.kafka.clients import make_producer
+from workers.metrics import start_metrics_server
+
+pytestmark = pytest.mark.kafka
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def test_generate_worker_metrics_are_served(kafka_settings, make_topics, tiny_model_dir):
+    await make_topics(kafka_settings, partitions=1)
+    port = free_port()
+    start_metrics_server(port, addr="127.0.0.1")
+    before = scrape(port).get('genpipe_tokens_total{worker="generate"}', 0.0)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.ensure_future(run_generate_worker(
+        kafka_settings, GenerateWorkerConfig(model=str(tiny_model_dir), group_id=f"{kafka_settings.topic_prefix}-g"),
+        stop=stop, on_ready=ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 60)
+        producer = make_producer(kafka_settings)
+        await producer.start()
+        request = GenerateRequest(request_id="m1", prompt_token_ids=[1, 5, 6],
+                                  sampling=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        await producer.send_and_wait(kafka_settings.topic("requests"), encode(request), key=b"m1",
+                                     headers=headers_for(request))
+        await producer.stop()
+        await wait_for(lambda: scrape(port).get('genpipe_tokens_total{worker="generate"}', 0.0) >= before + 5,
+                       what="5 generated tokens counted")
+    finally:
+        stop.set()
+        await task
+    values = scrape(port)
+    assert values['genpipe_requests_total{outcome="length",worker="generate"}'] >= 1
+    assert values['genpipe_time_to_first_token_seconds_count{worker="generate"}'] >= 1
+    assert values['genpipe_step_time_seconds_count{worker="generate"}'] >= 5
+    assert 'genpipe_consumer_lag_records{worker="generate"}' in values
