@@ -12,10 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.records import GenerateLogProbsContent
+import workers.generate.logprobs as lp_mod
 from workers.generate.logprobs import (
     FLOOR,
     LogprobTensors,
     _order_key,
+    _packed_to_host,
+    _topk_cpu,
     batch_positions,
     build_position,
     logprobs_to_host,
@@ -289,6 +292,122 @@ def test_host_copy_is_exact():
     assert tops == t.top_logprobs.tolist()
     empty = logprobs_to_host(topk_logprobs(torch.randn(2, 5), torch.tensor([0, 1]), 0))
     assert empty[2] == [[], []] and empty[3] == [[], []]
+
+
+def test_packed_copy_is_exact():
+    """The one-copy packing used off the CPU (run here on CPU tensors)."""
+    ints = torch.tensor([[2**62 + 3, -1, 0], [7, 151935, 2**31 + 5]])
+    vals = torch.tensor([[-1.2345678, float("nan"), float("-inf")], [-1e-30, 0.0, -9999.0]])
+    head = torch.tensor([5, 6], dtype=torch.int32)
+    got_head, got_ints, got_vals = _packed_to_host([head, ints, vals])
+    assert got_head == [5, 6] and got_ints == ints.tolist()
+    assert all(type(i) is int for row in got_ints for i in row)
+    flat, want = sum(got_vals, []), sum(vals.tolist(), [])
+    assert [x for x in flat if x == x] == [x for x in want if x == x] and math.isnan(flat[1])
+    assert _packed_to_host([torch.empty(2, 0, dtype=torch.int64)]) == [[[], []]]
+
+
+# --- the fast CPU path against the exact path and the per-value reference -----------
+
+
+@pytest.mark.parametrize("v", [7, 50, 2000, 2003, 4099])
+@pytest.mark.parametrize("k", [1, 5, 21])
+def test_topk_cpu_same_values_as_topk(v, k):
+    g = torch.Generator().manual_seed(v * 31 + k)
+    x = torch.randn(12, v, generator=g)  # 12 rows: big enough for the chunked path
+    x[1] = torch.randint(0, 4, (v,), generator=g).float()  # runs of equal values
+    x[2, : v // 2] = float("-inf")
+    x[3, v // 2 :] = float("-inf")
+    k = min(k, v)
+    vals, ids = _topk_cpu(x, k)
+    assert torch.equal(vals, x.topk(k).values)
+    assert torch.equal(x.gather(1, ids), vals)
+    assert all(len(set(row)) == k and max(row) < v for row in ids.tolist())
+
+
+def reference_positions(logits, sampled, ks, processed=None):
+    """Row by row through topk_logprobs + build_position (the per-value rules)."""
+    src = logits if processed is None else processed
+    v = src.shape[1]
+    out = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        t = topk_logprobs(src[i : i + 1], sampled[i : i + 1], v if k == -1 else min(k, v))
+        lps, ranks, ids, tops = logprobs_to_host(t)
+        out.append(build_position(int(sampled[i]), lps[0], ranks[0], ids[0], tops[0], k))
+    return out
+
+
+def awkward_batch(v: int = 2003, seed: int = 0):
+    """Rows that exercise every branch of the CPU fast path (chunked topk included)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, v, generator=g) * 3
+    x[1] = x[1].round()  # runs of equal values everywhere: redone exactly
+    x[2, 5:] = float("-inf")  # top-k masked: -inf (floor) ties inside the top
+    x[3] = float("-inf")  # all -inf: a NaN row
+    x[4, 7] = float("nan")
+    x[5, 3] = float("inf")
+    x[6, :] = -30000.0
+    x[6, :4] = torch.tensor([0.0, -1.0, -2.0, -3.0])  # values below the floor: clamp ties
+    x[7, 10], x[7, 11] = 50.0, 50.0  # a tie at the very top only
+    x[8, 20], x[8, 21] = 40.0, 39.0
+    sampled = x.nan_to_num(nan=0.0).argmax(-1)
+    sampled[9] = x[9].argmin()  # far outside the top: rank counted over the row
+    sampled[10] = x[10].topk(3).indices[2]
+    sampled[11] = x[11].topk(25).indices[24]  # just past the top k_max + 1
+    return x, sampled
+
+
+@pytest.mark.parametrize("ks_kind", ["all20", "mixed"])
+def test_fast_cpu_path_matches_reference(ks_kind):
+    x, sampled = awkward_batch()
+    ks = [20] * 12 if ks_kind == "all20" else [20, 3, None, 0, 1, 20, 5, 2, 19, 20, None, 23]
+    ids, got = step_to_host(x, sampled, ks)
+    assert ids == sampled.tolist()
+    assert got == reference_positions(x, sampled, ks)
+    assert step_to_host(x, sampled.int().view(-1, 1), ks) == (ids, got)  # any int dtype/shape
+    for c in got:
+        if c is not None:
+            assert_wire_safe(c)
+    assert got[3].rank is None and got[4].rank is None  # NaN rows
+    # the tie at the top: slots in id order, the sampled (first) id counts the other
+    assert [(e.token_id, e.rank) for e in got[7].top_logprobs[:2]] == [(10, 2), (11, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_other_dtypes_match_reference(dtype):
+    x, sampled = awkward_batch(seed=2)
+    x = x.to(dtype)
+    ks = [20, 3, None, 0, 1, 20, 5, 2, 19, 20, None, 23]
+    assert batch_positions(x, sampled, ks) == reference_positions(x, sampled, ks)
+
+
+def test_processed_fast_path_matches_reference():
+    x, sampled = awkward_batch(seed=1)
+    processed = x.clone()
+    processed[:, 1500:] = float("-inf")  # e.g. top-k masking
+    ks = [20] * 12
+    assert batch_positions(x, sampled, ks, processed=processed) == reference_positions(x, sampled, ks, processed)
+
+
+@pytest.mark.parametrize("kind", ["other", "cuda"])
+def test_non_cpu_paths_match_cpu(monkeypatch, kind):
+    """The paths taken off the CPU, run on CPU tensors by patching the device kind.
+
+    "cuda" trusts the kernel to take the lowest ids of a run of equal values at the cut,
+    which the CPU kernel does not do, so its input ties only inside the top."""
+    x, sampled = awkward_batch()
+    ks = [20, 3, 7, 0, 1, 20, 5, 2, 19, 20, None, 23]
+    if kind == "cuda":
+        x = torch.randn(12, 2003, generator=torch.Generator().manual_seed(5))
+        x[:, 40], x[:, 41], x[:, 7] = 30.0, 30.0, 30.0  # equal values inside every top
+        sampled = torch.tensor([41, 40, 7, 0, 299, 150] * 2)
+        ks = [20, 3, 7, 0, 1, 20] * 2
+    want = step_to_host(x, sampled, ks)
+    monkeypatch.setattr(lp_mod, "_device_kind", lambda device: kind)
+    assert step_to_host(x, sampled, ks) == want
 
 
 # --- prompt logprobs -----------------------------------------------------------------

@@ -1,10 +1,20 @@
 """Integer-id logprobs for sampled and prompt tokens (SPEC §3, §4 "Logprobs, per position").
 
 Device side (`topk_logprobs`): float32 log-softmax over the whole vocabulary, the
-sampled token's value and rank, and the top `k_max` ids/values. Only `[B, 2 + 2*k_max]`
-numbers then cross to the host in ONE copy (`logprobs_to_host`): a device→host copy is
-a full stream sync, so the cost of logprobs is the number of copies, not the FLOPs.
-Host side (`build_position`): the wire rules (sampled first, dedupe, cut, NaN/inf).
+sampled token's value and rank, and the top `k_max` ids/values: a plain float topk,
+with the order of equal values fixed afterwards (`_top_ids`). The wire value rules run
+on the device too (NaN and -inf → -9999.0, everything clamped to >= -9999.0), and
+`step_to_host` moves the B sampled ids, ranks and values and the [B, k_max] top
+ids/values to the host in ONE copy: a device→host copy is a full stream sync, so the
+cost of logprobs is the number of copies, not the FLOPs. The host only assembles the
+structs (`_assemble`): sampled id first, one list scan to drop its duplicate, the cut
+to max(k, 1). On the CPU, where reading a tensor is free, `_rows_cpu` takes a shorter
+path for the common rows and sends the rest back to the exact one.
+
+Tie rule: top entries are ordered by (logprob desc, token id asc), NaN counting as
+-inf, so a row's list never depends on the batch, k_max or device. A row is NaN
+throughout or not at all (log_softmax: any NaN, +inf or all -inf poisons the row's
+sum), which the host sees as rank 0: every entry -9999.0 with rank None.
 
 Engine usage, one decode step:
 
@@ -18,6 +28,7 @@ cost nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -42,29 +53,105 @@ class LogprobTensors(NamedTuple):
 def _order_key(lp: Tensor) -> Tensor:
     """A total order on (logprob desc, token id asc) as one int64 per entry.
 
-    torch.topk ranks NaN above everything and leaves the order of equal values to the
-    kernel (CPU and CUDA differ, and bf16 logits tie often). Folding the id into the
-    key makes the top-k list a pure function of the row: the same whichever device,
-    batch size or k_max it ran with, so a row's first k entries never depend on what
-    other rows asked for. NaN sorts below -inf. Cost: a few int32 passes and three
-    int64 passes over [B, V], only for rows that asked for logprobs.
+    The exact (and slower) ranking: the whole-vocabulary case and the rows whose float
+    top-k cut falls inside a run of equal values use it (see `_top_ids`). NaN sorts
+    below -inf here; the callers pass NaN-free input (NaN already replaced by -inf).
     """
     bits = lp.view(torch.int32)  # a view: float32 bits as sign-magnitude ints
     # Flip the magnitude bits of negatives so ints order like the floats.
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    # Only NaN patterns map to INT32_MIN; put every NaN there, below -inf. (log_softmax
-    # makes a row all-NaN or NaN-free, so this is belt and braces.)
-    ordered = ordered.masked_fill(lp.isnan(), -(2**31))
+    ordered = ordered.masked_fill(lp.isnan(), -(2**31))  # NaN patterns: below -inf
     rev_ids = (2**32 - 1) - torch.arange(lp.shape[-1], device=lp.device, dtype=torch.int64)
     # high word: the value order; low word: the reversed id, so lower ids win ties.
     return (ordered.to(torch.int64) << 32).add_(rev_ids)
+
+
+def _sort_small(ids: Tensor, vals: Tensor) -> tuple[Tensor, Tensor]:
+    """Order the [B, k] candidates by (value desc, id asc): two small sorts, no [B, V] work."""
+    ids, perm = ids.sort(dim=-1)
+    vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, perm), vals
+
+
+def _device_kind(device: torch.device) -> str:
+    """How a device is treated (tests patch this to run every path on the CPU).
+
+    "cpu": step_to_host takes `_rows_cpu` (reading a tensor costs no sync there), and
+    `_top_ids` checks the cut (the CPU topk is a heap: any of the tied ids may enter).
+    "cuda": PyTorch's CUDA topk kernels (single- and multi-block `gatherTopK`) fill the
+    slots left at the k-th value with "the first seen set", in index order, i.e. the
+    lowest ids of a run of equal values, so the cut needs no check and no extra sync.
+    "other" (ROCm, whose kernel gathers with atomics; MPS; ...): the cut is checked,
+    at the cost of one extra sync.
+    """
+    if device.type == "cpu":
+        return "cpu"
+    return "cuda" if device.type == "cuda" and torch.version.hip is None else "other"
+
+
+def _fix_cut(keyed: Tensor, vals: Tensor, ids: Tensor, k: int) -> None:
+    """Rows whose k-th and (k+1)-th values tie: take the lowest tied ids (exact int64 key)."""
+    rows = (vals[:, k - 1] == vals[:, k]).nonzero().view(-1)
+    if rows.numel():
+        ids[rows, :k] = _order_key(keyed.index_select(0, rows)).topk(k, dim=-1, sorted=True).indices
+
+
+@functools.lru_cache(maxsize=16)
+def _strides(s: int, c: int) -> Tensor:
+    return torch.arange(0, s * c, c).view(1, s, 1)  # CPU, never written to
+
+
+def _topk_cpu(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """torch.topk(x, k) values (exact, sorted) and ids for a [B, V] CPU tensor, faster.
+
+    The CPU kernel runs a heap over every entry. Cheaper: view the first s*c entries of
+    a row as [s, c] (chunk j = ids j, j+c, j+2c, ...), take the c chunk maxima (one
+    vectorised pass), and run topk only over the k chunks with the largest maxima plus
+    the < s leftover ids: no entry of the top k lives in another chunk, since those k
+    maxima already reach its chunk's maximum. Same values; equal values may come in
+    another order (`_top_ids` fixes the order of ties).
+    """
+    b, v = x.shape
+    s = max(1, round(math.sqrt(v / k)))  # balances the c-wide and the s*k-wide topk
+    c = v // s
+    if s < 4 or c < k or b * v <= 1 << 14:  # too small to pay for the extra ops (measured)
+        return x.topk(k, dim=-1, sorted=True)
+    chunks = (x if s * c == v else x[:, : s * c]).view(b, s, c).amax(dim=1).topk(k, dim=-1, sorted=False).indices
+    cand = (_strides(s, c) + chunks.unsqueeze(1)).view(b, s * k)
+    if s * c != v:
+        cand = torch.cat([cand, torch.arange(s * c, v, device=x.device).expand(b, v - s * c)], dim=1)
+    vals, pos = x.gather(1, cand).topk(k, dim=-1, sorted=True)
+    return vals, cand.gather(1, pos)
+
+
+def _top_ids(lp: Tensor, k: int) -> Tensor:
+    """Top k ids [B, k] of lp [B, V] (0 < k) in (logprob desc, id asc) order, NaN as -inf.
+
+    A plain float topk does the work. It may leave equal values in any order, so two
+    small sorts on [B, k] put them in id order, and the rows whose k-th and (k+1)-th
+    values tie (which tied ids enter?) are redone with the exact int64 `_order_key`.
+    """
+    v = lp.shape[1]
+    keyed = lp.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    if k >= v:  # the whole vocabulary: one exact sort, no cut to worry about
+        return _order_key(keyed).topk(v, dim=-1, sorted=True).indices
+    kind = _device_kind(lp.device)
+    if kind == "cuda":
+        ids = keyed.topk(k, dim=-1, sorted=False).indices
+    else:
+        vals, ids = _topk_cpu(keyed, k + 1) if kind == "cpu" else keyed.topk(k + 1, dim=-1, sorted=True)
+        _fix_cut(keyed, vals, ids, k)
+        ids = ids[:, :k]
+    return _sort_small(ids, keyed.gather(1, ids))[0]
 
 
 def topk_logprobs(logits: Tensor, sampled: Tensor, k_max: int) -> LogprobTensors:
     """Logprobs of `sampled` ([B] long) and the top `k_max` entries of `logits` [B, V].
 
     Values are log_softmax of the given logits computed in float32 whatever their dtype.
-    k_max is clamped to [0, V]; k_max = 0 yields [B, 0] top tensors.
+    k_max is clamped to [0, V]; k_max = 0 yields [B, 0] top tensors. Top entries are in
+    (logprob desc, token id asc) order, NaN counting as -inf, so a row's first k
+    entries are the same whatever k_max, batch or device it ran with.
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     sampled = sampled.to(device=lp.device, dtype=torch.int64).view(-1, 1)
@@ -76,36 +163,41 @@ def topk_logprobs(logits: Tensor, sampled: Tensor, k_max: int) -> LogprobTensors
     if k == 0:
         top_ids = torch.empty(lp.shape[0], 0, dtype=torch.int64, device=lp.device)
     else:
-        top_ids = _order_key(lp).topk(k, dim=-1, sorted=True).indices
+        top_ids = _top_ids(lp, k)
     return LogprobTensors(sampled_lp.view(-1), rank, top_ids, lp.gather(1, top_ids))
 
 
-def _pack(t: LogprobTensors) -> Tensor:
-    """[B, 2 + 2k] float64: float32 values and ids/ranks < 2^53 are exact in float64."""
-    b = t.top_ids.shape[0]
-    cols = [t.sampled_logprob.view(b, 1), t.sampled_rank.view(b, 1), t.top_ids, t.top_logprobs]
-    return torch.cat([c.double() for c in cols], dim=1)
+def _to_host(*tensors: Tensor) -> list[list]:
+    """Each tensor as a (nested) python list, in ONE device→host copy.
+
+    Every copy from a CUDA tensor blocks on the stream, so off the CPU all of them
+    travel as one int64 tensor, floats as float64 bit patterns (float32 is exact in
+    float64); the typed views are taken on the host copy, so ids come back as python
+    ints and values as python floats with no per-value conversion. On the CPU there is
+    nothing to copy: each tensor is read directly.
+    """
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.tolist() for t in tensors]
+    return _packed_to_host(tensors)
 
 
-def _unpack(flat: list[float], b: int, k: int) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
-    w = 2 + 2 * k
-    rows = [flat[i * w : (i + 1) * w] for i in range(b)]
-    return (
-        [r[0] for r in rows],
-        [int(r[1]) for r in rows],
-        [[int(x) for x in r[2 : 2 + k]] for r in rows],
-        [r[2 + k :] for r in rows],
-    )
+def _packed_to_host(tensors: Sequence[Tensor]) -> list[list]:
+    """`_to_host` off the CPU: one int64 tensor on the tensors' device, one copy."""
+    dev = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    parts = [(t.double() if t.is_floating_point() else t.to(torch.int64)).to(dev).reshape(-1) for t in tensors]
+    flat = torch.cat([p if p.dtype == torch.int64 else p.view(torch.int64) for p in parts]).cpu()
+    lists, at = [], 0
+    for t in tensors:
+        part = flat[at : at + t.numel()]
+        at += t.numel()
+        part = part.view(torch.float64) if t.is_floating_point() else part
+        lists.append(part.view(t.shape).tolist())
+    return lists
 
 
 def logprobs_to_host(t: LogprobTensors) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
-    """(sampled logprobs, ranks, top ids, top logprobs) as python lists, in ONE copy.
-
-    Every copy from a CUDA tensor blocks on the stream, so the four tensors are packed
-    into one float64 tensor first instead of paying four syncs.
-    """
-    b, k = t.top_ids.shape
-    return _unpack(_pack(t).view(-1).tolist(), b, k)
+    """(sampled logprobs, ranks, top ids, top logprobs) as python lists, in ONE copy."""
+    return tuple(_to_host(t.sampled_logprob, t.sampled_rank, t.top_ids, t.top_logprobs))  # type: ignore[return-value]
 
 
 def _wire(value: float, rank: int | None) -> tuple[float, int | None]:
@@ -128,13 +220,15 @@ def build_position(
     top_logprobs: Sequence[float],
     k: int,
 ) -> GenerateLogProbsContent:
-    """The wire entry for one position (host side; pure python).
+    """The wire entry for one position (host side; pure python, every rule per value).
 
     `top_ids`/`top_logprobs` are in rank order and may be longer than k (the batch's
     k_max); only the first k are considered. `top_logprobs` of the result = the sampled
     token (with its >=-rule rank) first, then top entries with rank = slot (1-based),
     skipping the sampled id, cut to max(k, 1) entries. k = -1 means the whole
-    vocabulary (the caller passes all V top entries).
+    vocabulary (the caller passes all V top entries). The reference of the rules value
+    by value; step_to_host gets the same entries with the value rules applied on the
+    device and the host left with assembly only (`_assemble`).
     """
     if k < -1:
         raise ValueError(f"logprobs k must be >= -1, got {k}")
@@ -174,24 +268,132 @@ def step_to_host(
     b, vocab = src.shape
     if len(ks) != b:
         raise ValueError(f"{len(ks)} ks for {b} rows")
-    sampled = sampled.view(-1).to(torch.int64)
+    if sampled.dim() != 1 or sampled.dtype != torch.int64:
+        sampled = sampled.reshape(-1).to(torch.int64)
     rows = [i for i, k in enumerate(ks) if k is not None]
     out: list[GenerateLogProbsContent | None] = [None] * b
     if not rows:
         return sampled.tolist(), out
-    eff = [_k_for(ks[i], vocab) for i in rows]  # type: ignore[arg-type]
-    sel_src, sel_sampled = src, sampled.to(src.device)
+    eff = [k if 0 <= k <= vocab else _k_for(k, vocab) for k in (ks[i] for i in rows)]  # type: ignore[operator]
+    sel_src, sel_sampled = src, sampled if sampled.device == src.device else sampled.to(src.device)
     if len(rows) < b:  # only the rows that asked pay for the V-wide work
         idx = torch.tensor(rows, device=src.device)
         sel_src, sel_sampled = src.index_select(0, idx), sel_sampled.index_select(0, idx)
     k_max = max(eff)
-    packed = _pack(topk_logprobs(sel_src, sel_sampled, k_max))
-    flat = torch.cat([sampled.to(packed.device).double(), packed.view(-1)]).tolist()
-    ids = [int(x) for x in flat[:b]]
-    lps, ranks, top_ids, top_lps = _unpack(flat[b:], len(rows), k_max)
-    for j, (i, k) in enumerate(zip(rows, eff)):
-        out[i] = build_position(ids[i], lps[j], ranks[j], top_ids[j], top_lps[j], k)
+    # 16-bit logits tie too often for the CPU short path to pay (most rows redone).
+    if _device_kind(src.device) == "cpu" and src.dtype.itemsize >= 4 and 0 < k_max < vocab:
+        ids = sampled.tolist()
+        rows_data = _rows_cpu(sel_src, sel_sampled, [ids[i] for i in rows], k_max)
+    else:
+        ids, *rows_data = _to_host(sampled, *_rows_exact(sel_src, sel_sampled, k_max))
+    _assemble(out, rows, eff, ids, *rows_data, k_max)
     return ids, out
+
+
+def _rows_exact(src: Tensor, sampled: Tensor, k_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sampled ranks [n], values [n], top ids [n, k_max], top values [n, k_max].
+
+    The wire rules run on the device: NaN and -inf → FLOOR, everything >= FLOOR, +inf →
+    0.0 (log-softmax is <= 0, so that cap only ever meets +inf). A NaN row has rank 0.
+    """
+    t = topk_logprobs(src, sampled, k_max)
+
+    def wire(x: Tensor) -> Tensor:
+        return x.nan_to_num(nan=FLOOR, posinf=0.0, neginf=FLOOR).clamp_(min=FLOOR)
+
+    return t.sampled_rank, wire(t.sampled_logprob), t.top_ids, wire(t.top_logprobs)
+
+
+def _rows_cpu(
+    src: Tensor, sampled: Tensor, sampled_ids: list[int], k_max: int
+) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+    """`_rows_exact` as lists for CPU tensors: the same result with a third of the ops.
+
+    Reading a CPU tensor costs no sync, so the common case takes a short path and the
+    host sends the rare rows back to the exact one. One `_topk_cpu` gives the k_max+1
+    top values; when they are all distinct, their order is the tie rule, and a sampled
+    id found in slot j < k_max has rank j+1 and that slot's value (the next value is
+    below it, and so is every value outside the top). Rows with equal values among
+    those k_max+1 (a tie, or values the floor clamp made equal) or a NaN (log_softmax
+    makes such a row NaN throughout) go through `_rows_exact`; rows whose sampled id is
+    not in the first k_max slots get their value gathered and their rank counted.
+    """
+    lp = torch.log_softmax(src.float(), dim=-1)
+    vals, ids = _topk_cpu(lp, k_max + 1)
+    top_ids = ids.tolist()
+    top_values = vals.clamp_(min=FLOOR, max=0.0).tolist()
+    ranks: list[int] = []
+    values: list[float] = []
+    redo, recount = [], []
+    for j, (sid, tids, tvals) in enumerate(zip(sampled_ids, top_ids, top_values)):
+        if tvals[0] != tvals[0] or len(set(tvals)) <= k_max:  # a NaN row, or equal top values
+            redo.append(j)
+            ranks.append(0)
+            values.append(FLOOR)
+            continue
+        try:
+            pos = tids.index(sid, 0, k_max)
+        except ValueError:
+            recount.append(j)
+            ranks.append(0)
+            values.append(FLOOR)
+        else:
+            ranks.append(pos + 1)
+            values.append(tvals[pos])
+    if recount:
+        r = torch.tensor(recount)
+        lp_r = lp.index_select(0, r)
+        sampled_lp = lp_r.gather(1, sampled.index_select(0, r).view(-1, 1))
+        counts = (lp_r >= sampled_lp).sum(dim=-1).tolist()
+        for j, count, value in zip(recount, counts, sampled_lp.clamp_(min=FLOOR, max=0.0).view(-1).tolist()):
+            ranks[j], values[j] = count, value
+    if redo:
+        r = torch.tensor(redo)
+        exact = _to_host(*_rows_exact(src.index_select(0, r), sampled.index_select(0, r), k_max))
+        for j, rank, value, tids, tvals in zip(redo, *exact):
+            ranks[j], values[j], top_ids[j], top_values[j] = rank, value, tids, tvals
+    return ranks, values, top_ids, top_values
+
+
+def _assemble(
+    out: list,
+    rows: Sequence[int],
+    eff: Sequence[int],
+    ids: list[int],
+    ranks: list[int],
+    values: list[float],
+    top_ids: list[list[int]],
+    top_values: list[list[float]],
+    k_max: int,
+) -> None:
+    """The wire entries of `rows` from host lists (per selected row; top lists >= k long).
+
+    Values are already wire-safe; rank 0 marks a NaN row (every entry FLOOR, rank None).
+    Only assembly is left: the sampled id first, one list scan to drop its duplicate,
+    the cut to max(k, 1) entries.
+    """
+    slots = list(range(1, k_max + 1))  # the rank of top slot j is j + 1
+    entry = GenerateLogProb
+    for i, k, rank, value, tids, tvals in zip(rows, eff, ranks, values, top_ids, top_values):
+        sid = ids[i]
+        del tids[k:], tvals[k:]  # the lists are ours: cut in place to this row's k
+        tranks = ()
+        if k:
+            # The sampled id once, first; the cut to max(k, 1) entries drops either the
+            # top slot that repeats it or, when it is not among the top k, the last one.
+            try:
+                pos = tids.index(sid)
+            except ValueError:
+                pos = k - 1
+            del tids[pos], tvals[pos]
+            tranks = slots[:pos] + slots[pos + 1 : k]
+        if rank:
+            top = [entry(token_id=sid, logprob=value, rank=rank)]
+            top += [entry(token_id=a, logprob=v, rank=r) for a, v, r in zip(tids, tvals, tranks)]
+        else:  # the sampled value was NaN, and log_softmax makes the whole row NaN
+            rank = None
+            top = [entry(token_id=a, logprob=FLOOR, rank=None) for a in [sid, *tids]]
+        out[i] = GenerateLogProbsContent(token_id=sid, logprob=value, rank=rank, top_logprobs=top)
 
 
 def batch_positions(
