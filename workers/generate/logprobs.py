@@ -109,14 +109,15 @@ def _topk_cpu(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     vectorised pass), and run topk only over the k chunks with the largest maxima plus
     the < s leftover ids: no entry of the top k lives in another chunk, since those k
     maxima already reach its chunk's maximum. Same values; equal values may come in
-    another order (`_top_ids` fixes the order of ties).
+    another order (the callers deal with ties: `_top_ids`, `_rows_cpu`).
     """
     b, v = x.shape
     s = max(1, round(math.sqrt(v / k)))  # balances the c-wide and the s*k-wide topk
     c = v // s
     if s < 4 or c < k or b * v <= 1 << 14:  # too small to pay for the extra ops (measured)
         return x.topk(k, dim=-1, sorted=True)
-    chunks = (x if s * c == v else x[:, : s * c]).view(b, s, c).amax(dim=1).topk(k, dim=-1, sorted=False).indices
+    maxima = (x if s * c == v else x[:, : s * c]).view(b, s, c).amax(dim=1)  # [B, c]
+    chunks = maxima.topk(k, dim=-1, sorted=False).indices
     cand = (_strides(s, c) + chunks.unsqueeze(1)).view(b, s * k)
     if s * c != v:
         cand = torch.cat([cand, torch.arange(s * c, v, device=x.device).expand(b, v - s * c)], dim=1)
