@@ -182,3 +182,19 @@ async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_
     chunks = chunks_by_request(records)
     assert chunks["long"][-1].finish_reason == "abort"
     assert chunks["late"][-1].finish_reason == "abort" and chunks["late"][-1].token_ids == []
+
+
+async def test_stop_finishes_in_flight_requests_within_the_grace_period(kafka_settings, make_topics, engine):
+    await make_topics(kafka_settings, partitions=1)
+    request = GenerateRequest(request_id="drain", prompt_token_ids=[1, 7],
+                              sampling=SamplingParams(max_tokens=120, ignore_eos=True, temperature=0))
+    stop, task = await start_worker(kafka_settings, engine, grace_s=60)
+    await produce(kafka_settings, [request_record(request)])
+    await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                     until=lambda rs: any(decode_message(r, GenerateChunk).request_id == "drain" for r in rs))
+    stop.set()  # SIGTERM: take nothing new, finish what runs
+    assert await asyncio.wait_for(task, 90) == 0
+    records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=finished({"drain"}))
+    chunks = chunks_by_request(records)["drain"]
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 120

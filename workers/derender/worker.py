@@ -90,11 +90,11 @@ class DerenderHandler:
             last_future = await self.publisher.publish(self._outgoing(output, tp))
         if outputs and chunk.sampled_at_ns:
             DERENDER_LATENCY.labels(W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
-        IN_FLIGHT.labels(W).set(len(self.request_start))
         if last_future is not None:
             last_future.add_done_callback(lambda f: self._acked(tp, message.offset, f))
         if finished:
             self._finish(rid, last_future)
+        IN_FLIGHT.labels(W).set(len(self.request_start))
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):

@@ -87,6 +87,9 @@ class GenerateHandler:
         # Taking a chunk (which numbers it) and handing it to the producer happen under
         # one lock, so a partition receives every request's chunks in seq order.
         self._publish_lock = asyncio.Lock()
+        self._publishing: set[asyncio.Task] = set()  # publish tasks scheduled from engine outputs
+        self._idle = asyncio.Event()  # set while nothing is in flight (shutdown waits on it)
+        self._idle.set()
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
 
     # --- requests in ------------------------------------------------------------------
@@ -125,6 +128,7 @@ class GenerateHandler:
             await self._reject(request, tp, message.offset, str(exc))
             return
         self.inflight[request.request_id] = state
+        self._idle.clear()
         IN_FLIGHT.labels(W).set(len(self.inflight))
 
     async def _to_dlq(self, message, tp: TopicPartition, error: str) -> None:
@@ -167,19 +171,25 @@ class GenerateHandler:
         for state, _ in finals:
             del self.inflight[state.request.request_id]
         IN_FLIGHT.labels(W).set(len(self.inflight))
-        asyncio.ensure_future(self._publish_step(finals))
+        if not self.inflight:
+            self._idle.set()
+        task = asyncio.ensure_future(self._publish_step(
+            [(state, out.finish_reason, None, out.stop_token_id) for state, out in finals]))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
-    async def _publish_step(self, finals: list) -> None:
-        """Publish one step's final chunks and every request's chunk that is due, as one
-        producer batch per partition (many single sends cost several times more)."""
+    async def _publish_step(self, finals: list[tuple]) -> None:
+        """Publish final chunks — (state, finish_reason, error, stop_token_id) — and every
+        request's chunk that is due, as one producer batch per partition (many single
+        sends cost several times more). The only path by which chunks leave the worker."""
         async with self._publish_lock:
             records, owners = [], []
-            for state, out in finals:
-                if out.finish_reason != "error":  # errors were counted as "invalid" when rejected
-                    REQUESTS.labels(W, out.finish_reason).inc()
+            for state, finish_reason, error, stop_token_id in finals:
+                if finish_reason != "error":  # errors were counted as "invalid" when rejected
+                    REQUESTS.labels(W, finish_reason).inc()
                 state.closed = True
                 records.append(self._outgoing(state, self._take_chunk(
-                    state, out.finish_reason, stop_token_id=out.stop_token_id)))
+                    state, finish_reason, error=error, stop_token_id=stop_token_id)))
                 owners.append(state)
             now = time.monotonic()
             for state in list(self.inflight.values()):
@@ -218,15 +228,9 @@ class GenerateHandler:
         # partition number end to end (SPEC §2), whatever partitioner the client used.
         return Outgoing(self.chunk_topic, state.request.request_id, chunk, partition=state.tp.partition)
 
-    async def _publish_final(self, state: InFlight, finish_reason: str, error: ChunkError | None = None,
-                             stop_token_id: int | None = None) -> None:
-        if finish_reason != "error":  # errors were counted as "invalid" when rejected
-            REQUESTS.labels(W, finish_reason).inc()
-        async with self._publish_lock:
-            state.closed = True
-            chunk = self._take_chunk(state, finish_reason, error=error, stop_token_id=stop_token_id)
-            future = await self.publisher.publish(self._outgoing(state, chunk))
-        self._release_when_acked(future, state.tp, state.offset)
+    async def _publish_final(self, state: InFlight, finish_reason: str, error: ChunkError | None = None) -> None:
+        """A request that ends without reaching the engine (invalid, cancelled, expired)."""
+        await self._publish_step([(state, finish_reason, error, None)])
 
     def _release_when_acked(self, future: asyncio.Future, tp: TopicPartition, offset: int) -> None:
         def release(f: asyncio.Future) -> None:
@@ -270,14 +274,18 @@ class GenerateHandler:
                 state.closed = True
                 del self.inflight[request_id]  # no abort chunk: the new owner re-runs it
                 self.engine.abort(request_id, "abort")
+        if not self.inflight:
+            self._idle.set()
 
     def commit_metadata(self, tp) -> str:
         return ""
 
     async def drain(self, deadline: float) -> None:
-        while self.inflight and time.monotonic() < deadline:
-            await self._flush_ready()
-            await asyncio.sleep(0.01)  # yield to the engine's outputs; bounded by the deadline
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+        await asyncio.gather(*self._publishing)  # finals handed to the producer
         if self.inflight:
             log.warning("grace period over: %d requests left for the next owner", len(self.inflight))
             await self.on_revoked({state.tp for state in self.inflight.values()})
