@@ -36,3 +36,25 @@ async def wait_for(condition, timeout: float = 60.0, what: str = "condition") ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def read_to_end(settings: KafkaSettings, topic: str, timeout: float = 60.0) -> list:
+    """Every record of `topic` up to its end offsets as of the call (a snapshot)."""
+    consumer = AIOKafkaConsumer(topic, **settings.client_kwargs(), group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=20)
+    await consumer.start()
+    try:
+        await wait_for(lambda: consumer.assignment(), timeout, f"the partitions of {topic}")
+        partitions = sorted(consumer.assignment())
+        ends = await consumer.end_offsets(partitions)
+        records = []
+        deadline = time.monotonic() + timeout
+        for tp in partitions:
+            while await consumer.position(tp) < ends[tp]:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {timeout}s reading {topic} to its end")
+                for messages in (await consumer.getmany(tp, timeout_ms=100)).values():
+                    records.extend(m for m in messages if m.offset < ends[tp])
+    finally:
+        await consumer.stop()
+    return records

@@ -1,0 +1,119 @@
+"""SPEC §6: nothing is lost when the broker restarts mid-stream.
+
+The test owns a broker of its own (the session broker serves every other test and must
+not go away), runs one generate and one derender worker *process* and a client against
+it, restarts the broker while tokens are streaming and checks that every request still
+ends with its one complete, correct text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.derender_support import make_chunks, run_chunks, streamed_text
+from schemas import GenerateChunk
+from tests.kafka_helpers import read_to_end, read_topic
+from tests.process_helpers import WorkerProcesses
+from workers.kafka.records import decode_message
+from workers.client import GenpipeClient, make_request
+from workers.kafka.settings import KafkaSettings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow,
+              pytest.mark.skipif(not (shutil.which("java") and shutil.which("mvn")),
+                                 reason="restarting a broker needs the local one (java and mvn)")]
+
+# Neither the session broker (19092) nor the life-cycle test's (29092).
+RESTART_PORT = 29192
+PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "東京の天気は", "Hello! 👋 How are",
+           "Die Straße war", "¿Dónde está", "The little fox said"]
+
+
+def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
+    """What each (greedy, ignore_eos) request prints when nothing goes wrong: the engine's
+    ids through the derender rules in-process (byte-fallback repair included, which a
+    plain tokenizer decode would not do)."""
+    from workers.derender.state import Derenderer
+    from workers.generate.engine import Engine
+    from workers.generate.worker import PROMPT_TAIL
+
+    engine = Engine(str(model_dir), max_batch=len(requests))
+    ids = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        for out in engine.step():
+            ids[out.request_id].extend(out.token_ids)
+    derenderer = Derenderer(str(model_dir))
+    return {r.request_id: streamed_text(run_chunks(derenderer, make_chunks(
+        r.request_id, ids[r.request_id], output=r.output, prompt_tail=r.prompt_token_ids[-PROMPT_TAIL:],
+        prompt_count=len(r.prompt_token_ids)))) for r in requests}
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny_model_dir, tmp_path):
+    from workers.broker import local
+
+    if local.answers(RESTART_PORT):
+        pytest.skip(f"something already answers on port {RESTART_PORT}")
+    data_dir = tmp_path / "broker"
+    info = await asyncio.to_thread(local.broker_up, port=RESTART_PORT, data_dir=data_dir,
+                                   timeout=120, quiet=True)
+    settings = dataclasses.replace(KafkaSettings(), bootstrap_servers=info.bootstrap_servers,
+                                   topic_prefix="restart")
+    workers = WorkerProcesses(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    requests = [make_request(tokenizer.encode(prompt), kind="completion", request_id=f"br-{i}", max_tokens=160,
+                             temperature=0, ignore_eos=True, stream=True) for i, prompt in enumerate(PROMPTS)]
+    restarts = 0
+    try:
+        await make_topics(settings, partitions=2)
+        common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
+        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "8", *common)
+        workers.start("derender", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+        await asyncio.to_thread(workers.wait_ready)
+
+        async with GenpipeClient(settings=settings, timeout_s=240) as client:
+            async def run(request):
+                nonlocal restarts
+                texts = []
+                async for message in client.records(request):
+                    restarts += message.restart
+                    if message.restart:
+                        texts = []
+                    texts.append(message.value.choices[0].text)
+                return "".join(texts)
+
+            tasks = [asyncio.ensure_future(run(r)) for r in requests]
+            # Restart once tokens are flowing but well before the requests can finish.
+            await read_topic(settings, settings.topic("results"), until=lambda rs: len(rs) >= 40)
+            chunks = await read_to_end(settings, settings.topic("chunks"))
+            finals = sum(decode_message(r, GenerateChunk).finish_reason is not None for r in chunks)
+            assert finals < len(requests), "the generate worker is still streaming when the broker goes"
+            if how == "sigkill":
+                os.kill(info.pid, signal.SIGKILL)
+                assert await asyncio.to_thread(local._wait_gone, info.pid, 30)
+                (data_dir / "broker.pid").unlink()
+            else:
+                await asyncio.to_thread(local.broker_down, port=RESTART_PORT, data_dir=data_dir)
+            assert not local.answers(RESTART_PORT, timeout=1), "the broker is down"
+            info = await asyncio.to_thread(local.broker_up, port=RESTART_PORT, data_dir=data_dir,
+                                           timeout=120, quiet=True)
+            assert not info.reused
+            texts = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        for name, proc in workers.procs:
+            assert proc.poll() is None, f"{name} died across the restart:\n{workers.log(name)[-3000:]}"
+    finally:
+        codes = workers.stop_all()
+        await asyncio.to_thread(local.broker_down, port=RESTART_PORT, data_dir=data_dir)
+    assert codes == {"generate": 0, "derender": 0}, codes
+
+    expected = uninterrupted_texts(tiny_model_dir, requests)
+    for request, text in zip(requests, texts):
+        assert text == expected[request.request_id], request.request_id
