@@ -482,3 +482,36 @@ def test_native_forward_other_llama_family_configs(arch):
             ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                                  attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
         assert results[r.request_id].tokens == ref, r.request_id
+
+
+# --------------------------------------------------------------------------- engine thread
+
+
+async def test_engine_thread_paces_steps_and_keeps_the_tokens(make_engine, prompts, hf_greedy):
+    """`--min-step-ms`: every step lasts at least the pace; the tokens are unchanged."""
+    import asyncio
+    import time
+
+    from workers.generate.engine_thread import EngineThread
+
+    loop = asyncio.get_running_loop()
+    outputs: list[RequestOutput] = []
+    done = asyncio.Event()
+
+    def on_outputs(step_outputs):
+        outputs.extend(step_outputs)
+        if any(o.finish_reason for o in step_outputs):
+            done.set()
+
+    thread = EngineThread(make_engine(max_batch=2), on_outputs, loop, min_step_s=0.04)
+    thread.start()
+    try:
+        started = time.perf_counter()
+        thread.add(req("paced", prompts[0], max_tokens=6, ignore_eos=True))
+        await asyncio.wait_for(done.wait(), 30)
+        elapsed = time.perf_counter() - started
+    finally:
+        thread.stop()
+    assert [t for o in outputs for t in o.token_ids] == hf_greedy(prompts[0], 6)
+    # six steps, five full pauses between them (a lower bound: never flaky on a slow box)
+    assert elapsed >= 5 * 0.04, elapsed

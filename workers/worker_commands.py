@@ -53,7 +53,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_logprobs=args.max_logprobs,
         group_id=args.group_id or f"{settings.topic_prefix}-generate",
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
-        commit_interval_s=args.commit_interval_ms / 1000,
+        commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
@@ -118,6 +118,10 @@ def register(sub) -> None:
     gen.add_argument("--threads", type=int, default=_env_int("GENPIPE_TORCH_THREADS", 0),
                      help="torch CPU threads (env GENPIPE_TORCH_THREADS; 0 = torch's default). Small "
                           "models on few cores run faster with 1 (see BENCHMARKS.md)")
+    gen.add_argument("--min-step-ms", type=float, default=0.0,
+                     help="make each engine step last at least this long (default 0: as fast as the model "
+                          "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "
+                          "model's pace of ~50 tokens/s per request")
     gen.add_argument("--coalesce-max-tokens", type=int, default=16,
                      help="when the producer lags, at most this many tokens per chunk")
     gen.add_argument("--coalesce-max-delay-ms", type=float, default=20.0,

@@ -1,13 +1,27 @@
-"""Latency the two Kafka hops add, side by side with the engine alone.
+"""Latency the two Kafka hops add, side by side with the engine alone and the Kafka floor.
 
 Contender: the pipeline (a generate and a derender worker as processes, a real broker,
 the client library). Per token: the time from the token being sampled (the chunk's
-`sampled_at_ns`) to its result record reaching the client, p50 and p99; and time to first
-token through the pipeline minus the engine's own time to first token (prefill) measured
-in this process on the same prompts. Reference: the engine alone, in-process, where the
-added latency is zero by definition. Low load: one request at a time; moderate: 16 at once.
+`sampled_at_ns`) to its result record reaching the client, p50 and p99, split at the
+moment a reader in this process sees the chunk (hop 1: generate → chunk topic; hop 2:
+derender → client); and time to first token through the pipeline minus the engine's own
+time to first token (prefill) measured in this process on the same prompts. Low load:
+one request at a time; moderate: 16 at once.
 
-    python ops/bench/pipeline.py [--bootstrap-servers 127.0.0.1:9092] [--requests 32]
+References, in the same run:
+- the engine alone, in-process: added latency zero by definition, its TTFT subtracted;
+- the Kafka floor: the same two hops with no genpipe code in them, one record per token
+  at the same pace: this process produces (genpipe's producer settings) → a relay
+  process consumes and re-produces (genpipe's consumer and producer settings) → this
+  process consumes. What genpipe adds beyond that is its own cost.
+
+The built-in tiny model steps in a few ms on a CPU, so one request already emits a few
+hundred tokens/s, each its own record; `--min-step-ms` (the generate worker's option)
+paces the engine like a real model (20 ms ≈ 50 tokens/s per request). Each pace runs as
+its own table.
+
+    python ops/bench/pipeline.py [--bootstrap-servers 127.0.0.1:9092] [--requests 32] \
+        [--min-step-ms 0 20]
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -37,6 +52,14 @@ PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "Hello! H
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+@dataclass
+class LoadRun:
+    added: list[float]  # per token: sampled → result at the client (s)
+    hop1: list[float]  # sampled → chunk seen by a reader here
+    hop2: list[float]  # chunk seen here → its result at the client
+    ttfts: list[float]
 
 
 def engine_ttft(model_dir: str, prompts: list[list[int]]) -> list[float]:
@@ -58,16 +81,18 @@ def engine_ttft(model_dir: str, prompts: list[list[int]]) -> list[float]:
 
 
 async def run_load(settings: KafkaSettings, prompts: list[list[int]], n: int, concurrency: int,
-                   max_tokens: int) -> tuple[list[float], list[float]]:
+                   max_tokens: int) -> LoadRun:
     from workers.client import GenpipeClient, make_request
 
     sampled: dict[tuple[str, str, int], int] = {}
+    seen: dict[tuple[str, str, int], int] = {}
     received: list[tuple[str, str, int, int]] = []
     ttfts: list[float] = []
     stop, ready = asyncio.Event(), asyncio.Event()
 
     def on_chunk(message) -> None:
         chunk = decode_message(message, GenerateChunk)
+        seen[(chunk.request_id, chunk.attempt, chunk.seq)] = time.time_ns()
         sampled[(chunk.request_id, chunk.attempt, chunk.seq)] = chunk.sampled_at_ns
 
     chunk_reader = asyncio.ensure_future(follow(settings, settings.topic("chunks"), on_chunk, stop, ready=ready))
@@ -95,15 +120,17 @@ async def run_load(settings: KafkaSettings, prompts: list[list[int]], n: int, co
         await asyncio.sleep(0.01)
     stop.set()
     await chunk_reader
-    added = [(now - sampled[(r, a, s)]) / 1e9 for r, a, s, now in received if (r, a, s) in sampled]
-    return added, ttfts
+    keys = [((r, a, s), now) for r, a, s, now in received if (r, a, s) in sampled]
+    return LoadRun(added=[(now - sampled[k]) / 1e9 for k, now in keys],
+                   hop1=[(seen[k] - sampled[k]) / 1e9 for k, now in keys],
+                   hop2=[(now - seen[k]) / 1e9 for k, now in keys], ttfts=ttfts)
 
 
-def start_workers(settings: KafkaSettings, model_dir: str, log_dir: Path) -> list[subprocess.Popen]:
+def start_workers(settings: KafkaSettings, model_dir: str, log_dir: Path, min_step_ms: float) -> list[subprocess.Popen]:
     common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
               "--log-level", "WARNING"]
     procs = []
-    for name, args in (("generate", ["generate-worker", "--model", model_dir]),
+    for name, args in (("generate", ["generate-worker", "--model", model_dir, "--min-step-ms", str(min_step_ms)]),
                        ("derender", ["derender-worker", "--tokenizer", model_dir])):
         log = open(log_dir / f"{name}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *args, *common], stdout=log,
@@ -111,12 +138,91 @@ def start_workers(settings: KafkaSettings, model_dir: str, log_dir: Path) -> lis
     return procs
 
 
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        proc.wait(60)
+
+
+# --- the Kafka floor: the same two hops with nothing of genpipe's in them ------------
+
+async def relay(settings: KafkaSettings) -> None:
+    """Consume `requests`, re-produce each record unchanged to `chunks` (until killed)."""
+    from workers.kafka.clients import make_consumer, make_producer
+
+    consumer = make_consumer(settings, settings.topic("requests"), group_id=f"{settings.topic_prefix}-relay")
+    producer = make_producer(settings)
+    await consumer.start()
+    await producer.start()
+    print("relay ready", flush=True)
+    while True:
+        for messages in (await consumer.getmany(timeout_ms=20)).values():
+            for message in messages:
+                await producer.send(settings.topic("chunks"), message.value, key=message.key)
+
+
+async def floor_run(settings: KafkaSettings, records: int, rate_per_s: float) -> list[float]:
+    """Send `records` at `rate_per_s` into the relay; per record, send → read back (s)."""
+    from workers.kafka.clients import make_producer
+
+    latencies: list[float] = []
+    stop, ready = asyncio.Event(), asyncio.Event()
+
+    def on_record(message) -> None:
+        latencies.append((time.time_ns() - int(message.value)) / 1e9)
+
+    reader = asyncio.ensure_future(follow(settings, settings.topic("chunks"), on_record, stop, ready=ready))
+    await ready.wait()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        start = time.perf_counter()
+        for i in range(records):
+            delay = start + i / rate_per_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await producer.send(settings.topic("requests"), str(time.time_ns()).encode(), key=f"f{i % 16}".encode())
+        deadline = time.monotonic() + 30
+        while len(latencies) < records and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        await producer.stop()
+        stop.set()
+        await reader
+    return latencies
+
+
+def start_relay(settings: KafkaSettings, log_dir: Path) -> subprocess.Popen:
+    log = open(log_dir / "relay.log", "wb")
+    proc = subprocess.Popen([sys.executable, __file__, "--relay", "--bootstrap-servers", settings.bootstrap_servers,
+                             "--topic-prefix", settings.topic_prefix], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while b"relay ready" not in (log_dir / "relay.log").read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the relay did not start: {(log_dir / 'relay.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}ms"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-step-ms", type=float, nargs="+", default=[0.0, 20.0],
+                        help="generate worker paces to run, one table each (0 = unpaced)")
+    parser.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)  # the floor's relay process
+    parser.add_argument("--topic-prefix", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.relay:
+        asyncio.run(relay(KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=args.topic_prefix)))
+        return
 
     from transformers import AutoTokenizer
 
@@ -126,28 +232,41 @@ def main() -> None:
     model_dir = str(default_model_dir("spm"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
-    asyncio.run(create_topics(settings, partitions=4))
     reference = engine_ttft(model_dir, prompts)
-    print(f"engine alone: time to first token p50 {statistics.median(reference) * 1e3:.2f} ms "
+    print(f"engine alone: time to first token p50 {ms(statistics.median(reference))} "
           f"(prefill + first sample, batch of one, in-process)")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-bench-"))
-    procs = start_workers(settings, model_dir, log_dir)
+    floor_settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"floor-{uuid.uuid4().hex[:6]}")
+    asyncio.run(create_topics(floor_settings, partitions=4))
+    relay_proc = start_relay(floor_settings, log_dir)
     try:
-        # warm-up: workers join their groups, load, and compile their first steps
-        asyncio.run(run_load(settings, prompts, 2, 1, 4))
-        print(f"{'load':<24} {'tokens':>7} {'added p50':>10} {'added p99':>10} {'ttft p50':>9} "
-              f"{'ttft overhead p50':>18}")
-        for label, concurrency in (("low (1 at a time)", 1), ("moderate (16 at once)", 16)):
-            added, ttfts = asyncio.run(run_load(settings, prompts, args.requests, concurrency, args.max_tokens))
-            overhead = statistics.median(ttfts) - statistics.median(reference)
-            print(f"{label:<24} {len(added):>7} {pct(added, 0.5) * 1e3:>8.2f}ms {pct(added, 0.99) * 1e3:>8.2f}ms "
-                  f"{statistics.median(ttfts) * 1e3:>7.1f}ms {overhead * 1e3:>16.1f}ms")
+        asyncio.run(floor_run(floor_settings, 50, 100))  # warm-up: group join, connections
+        for min_step_ms in args.min_step_ms:
+            settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
+                                     topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
+            asyncio.run(create_topics(settings, partitions=4))
+            procs = start_workers(settings, model_dir, log_dir, min_step_ms)
+            try:
+                # warm-up: workers join their groups, load, and compile their first steps
+                asyncio.run(run_load(settings, prompts, 2, 1, 4))
+                print(f"\ngenerate --min-step-ms {min_step_ms:g}")
+                print(f"{'load':<22} {'tokens':>6} {'tok/s':>6} {'added p50':>10} {'added p99':>10} "
+                      f"{'hop1 p50':>9} {'hop2 p50':>9} {'floor p50':>10} {'floor p99':>10} "
+                      f"{'ttft p50':>9} {'ttft ovh p50':>12}")
+                for label, concurrency in (("low (1 at a time)", 1), ("moderate (16 at once)", 16)):
+                    started = time.perf_counter()
+                    run = asyncio.run(run_load(settings, prompts, args.requests, concurrency, args.max_tokens))
+                    rate = len(run.added) / (time.perf_counter() - started)
+                    floor = asyncio.run(floor_run(floor_settings, len(run.added), rate))
+                    overhead = statistics.median(run.ttfts) - statistics.median(reference)
+                    print(f"{label:<22} {len(run.added):>6} {rate:>6.0f} {ms(pct(run.added, 0.5)):>10} "
+                          f"{ms(pct(run.added, 0.99)):>10} {ms(pct(run.hop1, 0.5)):>9} {ms(pct(run.hop2, 0.5)):>9} "
+                          f"{ms(pct(floor, 0.5)):>10} {ms(pct(floor, 0.99)):>10} "
+                          f"{ms(statistics.median(run.ttfts)):>9} {ms(overhead):>12}")
+            finally:
+                stop_processes(procs)
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            proc.wait(60)
+        stop_processes([relay_proc])
 
 
 if __name__ == "__main__":

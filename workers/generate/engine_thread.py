@@ -3,6 +3,11 @@
 Kafka heartbeats, fetches and acks are tasks on the loop (NOTES.md); a model step that
 blocked it would get the worker evicted from its group. The thread steps the engine
 while it has work and hands each step's outputs to the loop with call_soon_threadsafe.
+
+`min_step_s` paces the steps: a step that took less is followed by a wait (cut short
+when a request arrives). The built-in tiny model steps in a few ms on a CPU, far faster
+than a real model on a GPU; pacing it (e.g. 20 ms ≈ 50 tokens/s per request) lets
+benchmarks and demos measure the Kafka side at a realistic token rate.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineThread:
-    def __init__(self, engine, on_outputs: Callable[[list], None], loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine, on_outputs: Callable[[list], None], loop: asyncio.AbstractEventLoop,
+                 min_step_s: float = 0.0):
         self.engine = engine
+        self.min_step_s = min_step_s
         self._on_outputs = on_outputs
         self._loop = loop
         self._wake = threading.Event()
@@ -59,6 +66,9 @@ class EngineThread:
                 BATCH_SIZE.labels("generate").observe(len(outputs))
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                left = self.min_step_s - (time.perf_counter() - started)
+                if left > 0 and self._wake.wait(left):  # a new request ends the pause
+                    self._wake.clear()
         except BaseException as exc:  # surface to the worker, which exits non-zero
             log.exception("engine thread failed")
             self.failure = exc

@@ -33,6 +33,7 @@ class GenerateWorkerConfig:
     commit_interval_s: float = 0.5
     cancel_lookback_s: float = 300.0  # cancels this old still stop a request that arrives late
     policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+    min_step_s: float = 0.0  # pace engine steps (simulates a bigger model; see EngineThread)
 
 
 def load_engine(config: GenerateWorkerConfig):
@@ -53,7 +54,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     holder: dict = {}
 
     def make_handler(publisher, consumer_loop):
-        thread = EngineThread(engine, lambda outputs: holder["handler"].on_outputs(outputs), loop)
+        thread = EngineThread(engine, lambda outputs: holder["handler"].on_outputs(outputs), loop,
+                              min_step_s=config.min_step_s)
         handler = GenerateHandler(settings, publisher, consumer_loop, thread, max_running=config.max_batch * 2)
         handler.policy = config.policy
         holder["handler"], holder["thread"] = handler, thread
