@@ -75,7 +75,9 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
     try:
         await make_topics(settings, partitions=2)
         common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
-        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "8", *common)
+        # Paced like a real model (160 tokens ≈ 3 s): the restart lands mid-stream.
+        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "8",
+                      "--min-step-ms", "20", *common)
         workers.start("derender", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
         await asyncio.to_thread(workers.wait_ready)
 

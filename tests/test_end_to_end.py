@@ -122,8 +122,10 @@ async def test_kill_9_of_a_generate_worker_mid_stream_loses_no_request(kafka_set
     await make_topics(kafka_settings, partitions=4)
     workers = WorkerProcesses(tmp_path)
     common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
-    workers.start("generate-0", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "8", *common)
-    workers.start("generate-1", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "8", *common)
+    # Paced like a real model (200 tokens ≈ 4 s), so the kill lands mid-stream however fast the box.
+    paced = ["--max-batch", "8", "--min-step-ms", "20"]
+    workers.start("generate-0", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
+    workers.start("generate-1", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
     workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
     requests = [make_request([1, 100 + i, 200], kind="completion", request_id=f"k9-{i}", max_tokens=200,
                              temperature=0, ignore_eos=True, stream=True) for i in range(16)]

@@ -498,12 +498,12 @@ async def test_engine_thread_paces_steps_and_keeps_the_tokens(make_engine, promp
     outputs: list[RequestOutput] = []
     done = asyncio.Event()
 
-    def on_outputs(step_outputs):
+    def deliver(step_outputs, step_s):  # on the engine thread
         outputs.extend(step_outputs)
         if any(o.finish_reason for o in step_outputs):
-            done.set()
+            loop.call_soon_threadsafe(done.set)
 
-    thread = EngineThread(make_engine(max_batch=2), on_outputs, loop, min_step_s=0.04)
+    thread = EngineThread(make_engine(max_batch=2), deliver, min_step_s=0.04)
     thread.start()
     try:
         started = time.perf_counter()

@@ -43,7 +43,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from workers.generate.worker import ChunkPolicy
 
     _setup_logging(args.log_level)
-    if args.threads:
+    if args.threads and args.engine_in == "thread":  # a child engine process sets its own
         import torch
 
         torch.set_num_threads(args.threads)
@@ -54,6 +54,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         group_id=args.group_id or f"{settings.topic_prefix}-generate",
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
+        engine_in=args.engine_in, threads=args.threads,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
@@ -118,6 +119,10 @@ def register(sub) -> None:
     gen.add_argument("--threads", type=int, default=_env_int("GENPIPE_TORCH_THREADS", 0),
                      help="torch CPU threads (env GENPIPE_TORCH_THREADS; 0 = torch's default). Small "
                           "models on few cores run faster with 1 (see BENCHMARKS.md)")
+    gen.add_argument("--engine-in", choices=("process", "thread"), default="process",
+                     help="where the model steps: 'process' (default) a child process, so steps never "
+                          "wait on the GIL for the Kafka loop (more tokens/s, see BENCHMARKS.md); "
+                          "'thread' a thread of the worker process (one process, less memory)")
     gen.add_argument("--min-step-ms", type=float, default=0.0,
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "

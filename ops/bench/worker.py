@@ -3,9 +3,14 @@
 Same workload on both sides (N greedy requests, EOS ignored, max_tokens spread evenly
 over 8..256, batch 32, one torch thread): the engine in this process, then a
 `genpipe generate-worker` process fed through Kafka, timed from the first request sent
-to the last final chunk read back. Prints tokens/s for both and the ratio (goal >= 0.9x).
+until the worker has committed past the last one (it commits a request only once its
+final chunk is acknowledged). One worker per `--engine-in` mode (the engine stepping in
+a thread of the worker process, or in a child process of its own), both up throughout;
+rounds interleave the engine alone and each worker so the box's drift hits all alike.
+Prints tokens/s and the ratio to the engine alone (goal >= 0.9x).
 
-    python ops/bench/worker.py [--bootstrap-servers 127.0.0.1:9092] [--requests 64]
+    python ops/bench/worker.py [--bootstrap-servers 127.0.0.1:9092] [--requests 64] \
+        [--rounds 3] [--engine-in thread process]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,6 +135,12 @@ def main() -> None:
     parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds (engine alone, then each worker); medians are reported")
+    parser.add_argument("--commit-interval-ms", type=float, default=20,
+                        help="the workers' commit interval: the end of a run is seen at most this late")
+    parser.add_argument("--engine-in", nargs="+", default=["thread", "process"], choices=("thread", "process"),
+                        help="generate-worker --engine-in modes to compare")
     args = parser.parse_args()
 
     import torch
@@ -138,36 +150,52 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model_dir = str(default_model_dir("spm"))
-    rng = random.Random(0)
-    requests = workload(args.requests, 2000, rng)
-    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
-    asyncio.run(create_topics(settings, partitions=4))
-
-    ref_tokens, ref_s = engine_alone(model_dir, requests, args.batch)
-    log = open(Path(tempfile.mkdtemp(prefix="genpipe-bench-")) / "generate.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "generate-worker", "--model", model_dir,
-                             "--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
-                             "--max-batch", str(args.batch), "--threads", "1", "--commit-interval-ms", "20",
-                             "--group-id", f"{settings.topic_prefix}-gen"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="genpipe-bench-"))
+    workers = {}
+    for engine_in in args.engine_in:  # one worker per mode, each on its own topics, all up throughout
+        settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
+                                 topic_prefix=f"bench-{engine_in}-{uuid.uuid4().hex[:6]}")
+        asyncio.run(create_topics(settings, partitions=4))
+        workers[engine_in] = (settings, start_worker(settings, model_dir, args.batch, engine_in, log_dir,
+                                                            args.commit_interval_ms))
     try:
-        warm = [GenerateRequest(request_id=f"warm-{i}", prompt_token_ids=[1, 5], sampling=SamplingParams(max_tokens=4))
-                for i in range(2)]
-        asyncio.run(through_kafka(settings, warm))  # the worker has joined and loaded
-        tokens, seconds = asyncio.run(until_committed(settings, requests, f"{settings.topic_prefix}-gen"))
-        read_tokens, read_seconds = asyncio.run(through_kafka(settings, workload(args.requests, 2000, random.Random(0))))
+        for settings, _ in workers.values():  # each has joined its group and loaded its model
+            warm = [GenerateRequest(request_id=f"warm-{uuid.uuid4().hex[:6]}", prompt_token_ids=[1, 5],
+                                    sampling=SamplingParams(max_tokens=4)) for _ in range(2)]
+            asyncio.run(through_kafka(settings, warm))
+        rates: dict[str, list[float]] = {"alone": [], **{m: [] for m in workers}}
+        ratios: dict[str, list[float]] = {m: [] for m in workers}
+        for _ in range(args.rounds):
+            tokens, seconds = engine_alone(model_dir, workload(args.requests, 2000, random.Random(0)), args.batch)
+            rates["alone"].append(tokens / seconds)
+            for engine_in, (settings, _) in workers.items():
+                tokens, seconds = asyncio.run(until_committed(
+                    settings, workload(args.requests, 2000, random.Random(0)), f"{settings.topic_prefix}-gen"))
+                rates[engine_in].append(tokens / seconds)
+                ratios[engine_in].append(rates[engine_in][-1] / rates["alone"][-1])
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    ours, ref = tokens / seconds, ref_tokens / ref_s
-    print(f"{args.requests} requests, max_tokens 8..256, batch {args.batch}, 1 torch thread, tiny model on CPU")
-    print(f"engine alone, in-process : {ref_tokens:>6} tokens in {ref_s:6.2f} s = {ref:8.0f} tok/s")
-    print(f"worker through Kafka     : {tokens:>6} tokens in {seconds:6.2f} s = {ours:8.0f} tok/s"
-          f"   (done = all finals acknowledged and committed)")
-    print(f"ratio (goal >= 0.9x)     : {ours / ref:.2f}x")
-    read = read_tokens / read_seconds
-    print(f"same, chunks read back by this process: {read:8.0f} tok/s = {read / ref:.2f}x "
-          f"(a consumer here competes for the 2 cores)")
+        for _, proc in workers.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in workers.values():
+            proc.wait(60)
+    print(f"{args.requests} requests, max_tokens 8..256, batch {args.batch}, 1 torch thread, tiny model on CPU, "
+          f"{args.rounds} interleaved rounds (median; all rounds in brackets)")
+    print(f"engine alone, in-process      : {statistics.median(rates['alone']):6.0f} tok/s  "
+          f"[{' '.join(f'{r:.0f}' for r in rates['alone'])}]")
+    for engine_in in workers:
+        print(f"worker, engine in a {engine_in:<7}   : {statistics.median(rates[engine_in]):6.0f} tok/s  "
+              f"ratio {statistics.median(ratios[engine_in]):.2f}x  "
+              f"[{' '.join(f'{r:.2f}' for r in ratios[engine_in])}]  (goal >= 0.9x)")
+
+
+def start_worker(settings: KafkaSettings, model_dir: str, batch: int, engine_in: str, log_dir: Path,
+                 commit_ms: float) -> subprocess.Popen:
+    log = open(log_dir / f"generate-{engine_in}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "workers.cli", "generate-worker", "--model", model_dir,
+                             "--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
+                             "--max-batch", str(batch), "--threads", "1", "--commit-interval-ms", str(commit_ms),
+                             "--group-id", f"{settings.topic_prefix}-gen", "--engine-in", engine_in],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 if __name__ == "__main__":

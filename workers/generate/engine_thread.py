@@ -2,7 +2,8 @@
 
 Kafka heartbeats, fetches and acks are tasks on the loop (NOTES.md); a model step that
 blocked it would get the worker evicted from its group. The thread steps the engine
-while it has work and hands each step's outputs to the loop with call_soon_threadsafe.
+while it has work and hands each step's outputs and duration to `deliver` (the worker
+posts them to its loop; the engine process sends them down its pipe).
 
 `min_step_s` paces the steps: a step that took less is followed by a wait (cut short
 when a request arrives). The built-in tiny model steps in a few ms on a CPU, far faster
@@ -12,24 +13,23 @@ benchmarks and demos measure the Kafka side at a realistic token rate.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from typing import Callable
 
-from workers.metrics import BATCH_SIZE, STEP_TIME
-
 log = logging.getLogger(__name__)
+
+# deliver(outputs, step_seconds), called on the engine thread after every step; after a
+# failure once more with ([], 0.0) and `failure` set.
+Deliver = Callable[[list, float], None]
 
 
 class EngineThread:
-    def __init__(self, engine, on_outputs: Callable[[list], None], loop: asyncio.AbstractEventLoop,
-                 min_step_s: float = 0.0):
+    def __init__(self, engine, deliver: Deliver, min_step_s: float = 0.0):
         self.engine = engine
         self.min_step_s = min_step_s
-        self._on_outputs = on_outputs
-        self._loop = loop
+        self._deliver = deliver
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.failure: BaseException | None = None
@@ -62,14 +62,11 @@ class EngineThread:
                     continue
                 started = time.perf_counter()
                 outputs = self.engine.step()
-                STEP_TIME.labels("generate").observe(time.perf_counter() - started)
-                BATCH_SIZE.labels("generate").observe(len(outputs))
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                self._deliver(outputs, time.perf_counter() - started)
                 left = self.min_step_s - (time.perf_counter() - started)
                 if left > 0 and self._wake.wait(left):  # a new request ends the pause
                     self._wake.clear()
         except BaseException as exc:  # surface to the worker, which exits non-zero
             log.exception("engine thread failed")
             self.failure = exc
-            self._loop.call_soon_threadsafe(self._on_outputs, [])
+            self._deliver([], 0.0)

@@ -1,4 +1,4 @@
-"""Wiring one generate worker process: engine + engine thread + cancel follower + loop."""
+"""Wiring one generate worker: engine (in a child process or a thread) + cancel follower + loop."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from schemas import Cancel, RecordError
+from workers.generate.engine_process import EngineProcess
 from workers.generate.engine_thread import EngineThread
 from workers.generate.worker import ChunkPolicy, GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
+from workers.metrics import BATCH_SIZE, STEP_TIME
 
 log = logging.getLogger(__name__)
 
@@ -34,32 +36,60 @@ class GenerateWorkerConfig:
     cancel_lookback_s: float = 300.0  # cancels this old still stop a request that arrives late
     policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     min_step_s: float = 0.0  # pace engine steps (simulates a bigger model; see EngineThread)
+    engine_in: str = "process"  # "process": a child process (see engine_process); "thread": this one
+    threads: int = 0  # torch CPU threads of the engine (0: torch's default)
+
+
+def engine_options(config: GenerateWorkerConfig) -> dict:
+    """Engine(**options): the same engine whether it is built here or in the child."""
+    from workers.generate.tinymodel import default_model_dir
+
+    return dict(model_dir=config.model or str(default_model_dir("spm")), device=config.device,
+                dtype=config.dtype, max_batch=config.max_batch, max_model_len=config.max_model_len,
+                prefill_chunk=config.prefill_chunk, max_logprobs=config.max_logprobs)
 
 
 def load_engine(config: GenerateWorkerConfig):
     from workers.generate.engine import Engine
-    from workers.generate.tinymodel import default_model_dir
 
-    model_dir = config.model or str(default_model_dir("spm"))
-    return Engine(model_dir, device=config.device, dtype=config.dtype, max_batch=config.max_batch,
-                  max_model_len=config.max_model_len, prefill_chunk=config.prefill_chunk,
-                  max_logprobs=config.max_logprobs)
+    return Engine(**engine_options(config))
 
 
 async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
                               stop: asyncio.Event | None = None,
                               on_ready: Callable[[], None] | None = None) -> int:
-    engine = engine if engine is not None else load_engine(config)
+    """Serve until stopped. `engine`: an Engine already built (it then steps in a thread
+    of this process); otherwise one is loaded from `config`, in a child process unless
+    config.engine_in is "thread"."""
     loop = asyncio.get_running_loop()
     holder: dict = {}
 
+    def deliver(outputs: list, step_s: float) -> None:  # on the engine (reader) thread
+        if step_s:
+            STEP_TIME.labels("generate").observe(step_s)
+            BATCH_SIZE.labels("generate").observe(len(outputs))
+        if outputs or holder["engine"].failure is not None:
+            loop.call_soon_threadsafe(on_outputs, outputs)
+
+    def on_outputs(outputs: list) -> None:  # on the loop
+        if "handler" in holder:  # (a failure can come before the first request)
+            holder["handler"].on_outputs(outputs)
+
+    if engine is None and config.engine_in == "process":
+        holder["engine"] = EngineProcess(engine_options(config), deliver, min_step_s=config.min_step_s,
+                                         threads=config.threads)
+        await asyncio.to_thread(holder["engine"].start)  # loads the model; the loop stays free
+    else:
+        if engine is None:
+            engine = load_engine(config)
+        holder["engine"] = EngineThread(engine, deliver, min_step_s=config.min_step_s)
+        holder["engine"].start()  # idle until the first request arrives
+
     def make_handler(publisher, consumer_loop):
-        thread = EngineThread(engine, lambda outputs: holder["handler"].on_outputs(outputs), loop,
-                              min_step_s=config.min_step_s)
-        handler = GenerateHandler(settings, publisher, consumer_loop, thread, max_running=config.max_batch * 2)
+        handler = GenerateHandler(settings, publisher, consumer_loop, holder["engine"],
+                                  max_running=config.max_batch * 2)
         handler.policy = config.policy
-        holder["handler"], holder["thread"] = handler, thread
-        thread.start()
+        holder["handler"] = handler
         return handler
 
     def on_cancel(message) -> None:
@@ -80,5 +110,4 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                            background=background, on_ready=on_ready, worker="generate",
                            loop_options={"commit_interval_s": config.commit_interval_s})
     finally:
-        if "thread" in holder:
-            holder["thread"].stop()
+        holder["engine"].stop()

@@ -1,0 +1,98 @@
+"""The engine in a child process: same tokens as in-process, errors at add(), failures seen."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from schemas import GenerateRequest, SamplingParams
+from schemas.errors import ValidationError
+from workers.generate.engine import Engine
+from workers.generate.engine_process import EngineProcess
+
+
+class Collector:
+    """deliver() target: gathers outputs per request; signals finals and failures."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, str] = {}
+        self.calls_after_failure = 0
+        self.changed = threading.Condition()
+
+    def __call__(self, outputs, step_s):
+        with self.changed:
+            if not outputs:
+                self.calls_after_failure += 1
+            for out in outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                if out.finish_reason is not None:
+                    self.finals[out.request_id] = out.finish_reason
+            self.changed.notify_all()
+
+    def wait(self, condition, timeout: float = 60.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(condition, timeout), "timed out waiting on the engine process"
+
+
+def request(rid: str, prompt: list[int], **sampling) -> GenerateRequest:
+    sampling.setdefault("temperature", 0.0)
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(**sampling))
+
+
+def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir):
+    prompts = {"a": [1, 50, 60, 70], "b": [1, 300, 301], "c": [1, 9, 8, 7, 6, 5]}
+    alone = Engine(str(tiny_model_dir), max_batch=4)
+    for rid, prompt in prompts.items():
+        alone.add(request(rid, prompt, max_tokens=12, ignore_eos=True))
+    expected: dict[str, list[int]] = {}
+    while alone.has_work():
+        for out in alone.step():
+            expected.setdefault(out.request_id, []).extend(out.token_ids)
+
+    got = Collector()
+    engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=4), got)
+    engine.start()
+    try:
+        assert engine.limits == {"max_logprobs": 20, "vocab_size": alone.vocab_size,
+                                 "max_model_len": alone.max_model_len}
+        # invalid requests are refused here, by add(), like the in-process engine does
+        with pytest.raises(ValidationError, match="prompt_token_ids"):
+            engine.add(request("bad", [1, alone.vocab_size + 5]))
+        for rid, prompt in prompts.items():
+            engine.add(request(rid, prompt, max_tokens=12, ignore_eos=True))
+        engine.add(request("long", [1, 2, 3], max_tokens=100_000, ignore_eos=True))
+        got.wait(lambda: all(rid in got.finals for rid in prompts))
+        engine.abort("long")
+        got.wait(lambda: "long" in got.finals)
+        child = engine._process
+    finally:
+        engine.stop()
+    assert {rid: got.tokens[rid] for rid in prompts} == expected
+    assert got.finals["long"] == "abort" and "bad" not in got.tokens
+    assert not child.is_alive() and child.exitcode == 0
+    assert engine.failure is None
+
+
+def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
+    # a model that cannot load: start() says why
+    broken = EngineProcess(dict(model_dir=str(tmp_path / "no-such-model")), Collector())
+    with pytest.raises(RuntimeError, match="engine process failed to start: .*no-such-model"):
+        broken.start()
+
+    # the child dying mid-flight: failure is set and deliver is told (the worker then exits)
+    got = Collector()
+    engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=2), got)
+    engine.start()
+    try:
+        os.kill(engine._process.pid, signal.SIGKILL)
+        got.wait(lambda: got.calls_after_failure == 1)
+        assert isinstance(engine.failure, RuntimeError)
+        assert "engine process exited" in str(engine.failure)
+        with pytest.raises(RuntimeError, match="engine process is gone"):
+            engine.add(request("late", [1, 2, 3]))
+    finally:
+        engine.stop()

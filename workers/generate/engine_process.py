@@ -1,0 +1,166 @@
+"""The engine in a child process: model steps never share a GIL with the Kafka loop.
+
+In one process the engine thread and the event loop take turns on the GIL; publishing a
+step's chunks (building records, aiokafka's batching and acks) then costs the engine a
+large share of its tokens/s — measured 28% on the tiny model, while the same publishing
+from another process cost it nothing (BENCHMARKS.md, engine (c)). So by default the
+worker runs the engine and its stepping thread (`EngineThread`) in a child process,
+like vLLM v1's engine core, and talks to it through a pipe:
+
+    parent → child   ("add", GenerateRequest) | ("abort", request_id, reason) | ("stop",)
+    child → parent   ("ready", limits) | ("step", outputs, step_seconds) | ("failed", text)
+
+`EngineProcess` has EngineThread's interface (add/abort/stop/failure), so the worker
+does not know which one it drives. Requests are validated in the parent against the
+limits the child reports, so an invalid request still raises at `add()` and gets its
+error chunk. The child ignores SIGINT/SIGTERM (the worker decides when the engine stops:
+it drains first) and exits when the worker goes away (end of file on its pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+from typing import Any
+
+from schemas.errors import ValidationError
+from schemas.validation import validate_request
+from workers.generate.engine_thread import Deliver, EngineThread
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcess:
+    def __init__(self, engine_options: dict[str, Any], deliver: Deliver, *, min_step_s: float = 0.0,
+                 threads: int = 0, start_timeout_s: float = 600.0):
+        self.engine_options = engine_options  # Engine(**engine_options) in the child
+        self.min_step_s = min_step_s
+        self.threads = threads
+        self.start_timeout_s = start_timeout_s
+        self.failure: BaseException | None = None
+        self.limits: dict[str, int] = {}
+        self._deliver = deliver
+        self._conn = None
+        self._process = None
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start the child and wait until its model is loaded (blocking: call it off the loop)."""
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads/CUDA
+        self._conn, child_end = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child_end, self.engine_options, self.min_step_s, self.threads),
+            name="genpipe-engine", daemon=True)
+        self._process.start()
+        child_end.close()  # the child's copy is the only one left: its exit means EOF here
+        if not self._conn.poll(self.start_timeout_s):
+            self._process.kill()
+            raise RuntimeError(f"the engine process did not load its model within {self.start_timeout_s:.0f} s")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})") from None
+        if kind != "ready":
+            self._process.join(5)
+            raise RuntimeError(f"the engine process failed to start: {payload}")
+        self.limits = payload
+        self._reader = threading.Thread(target=self._read, name="genpipe-engine-reader", daemon=True)
+        self._reader.start()
+
+    def add(self, request) -> None:
+        """Validate here (raises schemas ValidationError) and queue it in the child."""
+        validate_request(request, **self.limits)
+        self._send(("add", request))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._send(("abort", request_id, reason))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._process is None:
+            return
+        try:
+            self._send(("stop",))
+        except RuntimeError:
+            pass  # already gone
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("engine process did not stop within %.0f s; killing it", timeout)
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:  # the loop and stop() may both send
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:  # broken pipe / closed: the child is gone
+            raise RuntimeError(f"the engine process is gone: {exc}") from exc
+
+    def _read(self) -> None:
+        """Reader thread: hand every step to `deliver`; notice the child failing or dying."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._fail(RuntimeError(f"the engine process exited (exit code {self._process.exitcode})"))
+                return
+            if message[0] == "step":
+                self._deliver(message[1], message[2])
+            elif message[0] == "failed":
+                self._fail(RuntimeError(f"engine failed: {message[1]}"))
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("%s", exc)
+        self.failure = exc
+        self._deliver([], 0.0)
+
+
+def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
+    import torch
+
+    from workers.generate.engine import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        engine = Engine(**engine_options)
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"max_logprobs": engine.max_logprobs, "vocab_size": engine.vocab_size,
+                         "max_model_len": engine.max_model_len}))
+
+    def deliver(outputs: list, step_s: float) -> None:
+        if thread.failure is not None:
+            conn.send(("failed", f"{type(thread.failure).__name__}: {thread.failure}"))
+        elif outputs:
+            conn.send(("step", outputs, step_s))
+
+    thread = EngineThread(engine, deliver, min_step_s=min_step_s)
+    thread.start()
+    try:
+        while thread.failure is None:
+            message = conn.recv()
+            if message[0] == "add":
+                try:
+                    thread.add(message[1])
+                except ValidationError as exc:  # validated by the parent already: a duplicate id
+                    log.warning("engine refused %s: %s", message[1].request_id, exc)
+            elif message[0] == "abort":
+                thread.abort(message[1], message[2])
+            else:
+                break
+    except (EOFError, OSError):
+        pass  # the worker is gone: so are we
+    finally:
+        thread.stop()
