@@ -123,7 +123,7 @@ def run(engine: Engine, requests: list[GenerateRequest], arrivals: dict[int, lis
             res.tokens += out.token_ids
             if out.logprobs is not None:
                 assert len(out.logprobs) == len(out.token_ids)
-                res.logprobs += out.logprobs
+                res.logprobs += [row.content() for row in out.logprobs]
             if out.prompt_logprobs is not None:
                 assert res.prompt_logprobs is None
                 res.prompt_logprobs = out.prompt_logprobs

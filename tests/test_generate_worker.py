@@ -164,7 +164,8 @@ async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_
     long = GenerateRequest(request_id="long", prompt_token_ids=[1, 7],
                            sampling=SamplingParams(max_tokens=None, ignore_eos=True, temperature=0))
     late = GenerateRequest(request_id="late", prompt_token_ids=[1, 7], deadline_ms=int(time.time() * 1000) - 1)
-    stop, task = await start_worker(kafka_settings, engine)
+    # Paced (a full context ≈ 10 s), so the cancel lands mid-stream however fast the engine.
+    stop, task = await start_worker(kafka_settings, engine, min_step_s=0.02)
     try:
         await produce(kafka_settings, [request_record(long), request_record(late)])
         # wait until "long" is streaming, then cancel it

@@ -51,7 +51,7 @@ import torch
 from schemas.errors import ValidationError
 from schemas.records import FinishReason, GenerateLogProbsContent, GenerateRequest, SamplingParams
 from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
-from workers.generate.logprobs import prompt_positions, step_to_host
+from workers.generate.logprobs import RowLogprobs, prompt_positions, step_to_rows
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
 from workers.generate.sampler import make_generator, make_sampling_tensors, sample, suppress
@@ -67,7 +67,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
 
     request_id: str
     token_ids: list[int]  # 0 or 1 new ids
-    logprobs: list[GenerateLogProbsContent] | None = None  # aligned with token_ids, if asked
+    logprobs: list[RowLogprobs] | None = None  # aligned with token_ids, if asked (.content(): wire form)
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only
@@ -282,7 +282,7 @@ class Engine:
             processed = suppress(logits, [s.suppress_ids if len(s.output) < s.params.min_tokens else ()
                                           for s in seqs])
         sampled = sample(processed, st, gens)
-        ids, lps = step_to_host(logits, sampled, ks)  # the one device→host copy of the step
+        ids, lps = step_to_rows(logits, sampled, ks)  # the one device→host copy of the step
         now = time.time_ns()
         max_len = self.max_model_len
         for seq, tok, lp in zip(seqs, ids, lps):

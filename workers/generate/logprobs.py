@@ -7,8 +7,8 @@ on the device too (NaN and -inf → -9999.0, everything clamped to >= -9999.0), 
 `step_to_host` moves the B sampled ids, ranks and values and the [B, k_max] top
 ids/values to the host in ONE copy: a device→host copy is a full stream sync, so the
 cost of logprobs is the number of copies, not the FLOPs. The host only assembles the
-structs (`_assemble`): sampled id first, one list scan to drop its duplicate, the cut
-to max(k, 1). On the CPU, where reading a tensor is free, `_rows_cpu` takes a shorter
+structs (`RowLogprobs.content`, called where the chunk is encoded): sampled id first,
+one list scan to drop its duplicate, the cut to max(k, 1). On the CPU, where reading a tensor is free, `_rows_cpu` takes a shorter
 path for the common rows and sends the rest back to the exact one.
 
 Tie rule: top entries are ordered by (logprob desc, token id asc), NaN counting as
@@ -32,12 +32,14 @@ import functools
 import math
 from typing import NamedTuple, Sequence
 
+import msgspec
 import torch
 from torch import Tensor
 
 from schemas.records import GenerateLogProb, GenerateLogProbsContent
 
 FLOOR = -9999.0  # the lowest value on the wire; NaN and -inf become this
+_SLOTS = tuple(range(1, 1 << 16))  # the rank of top slot j is j + 1 (sliced, never built per row)
 PROMPT_BLOCK_ELEMS = 1 << 25  # rows x vocab per prompt-logprobs block (~128 MiB float32)
 
 
@@ -48,6 +50,49 @@ class LogprobTensors(NamedTuple):
     sampled_rank: Tensor  # [B] int64, #entries with logprob >= the sampled one
     top_ids: Tensor  # [B, k_max] int64
     top_logprobs: Tensor  # [B, k_max] float32
+
+
+class RowLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One decode position's logprobs as the engine hands them over: plain values with
+    every wire rule applied, not yet the ~k+1 wire structs.
+
+    Building those structs is the biggest host cost of logprobs, so the engine leaves it
+    to whoever encodes the chunk (`content()`; the worker process, while the engine runs
+    its next step — vLLM v1 splits engine core and output processing the same way), and
+    five plain fields cross the engine pipe far cheaper than k+1 structs.
+    """
+
+    sampled_id: int
+    rank: int  # the >= rule; 0 marks a NaN row (every entry -9999.0, rank None)
+    value: float
+    top_ids: list[int]  # the request's top k in rank order (slot j has rank j+1)
+    top_values: list[float]
+
+    def content(self) -> GenerateLogProbsContent:
+        """The wire entry: the sampled id first, then the top entries without it, cut to
+        max(k, 1) (dropping the top slot that repeats it or, if none does, the last)."""
+        sid, k = self.sampled_id, len(self.top_ids)
+        tids, tvals = self.top_ids, self.top_values
+        tranks = ()
+        if k:
+            try:
+                pos = tids.index(sid)
+            except ValueError:
+                pos = k - 1
+            tids, tvals = tids[:pos] + tids[pos + 1:], tvals[:pos] + tvals[pos + 1:]
+            tranks = _SLOTS[:pos] + _SLOTS[pos + 1 : k]
+        entry = GenerateLogProb
+        if self.rank:
+            top = [entry(sid, self.value, self.rank)]
+            top += map(entry, tids, tvals, tranks)  # positional: the hot loop of logprobs
+            return GenerateLogProbsContent(token_id=sid, logprob=self.value, rank=self.rank, top_logprobs=top)
+        # the sampled value was NaN, and log_softmax makes the whole row NaN
+        top = [entry(a, FLOOR, None) for a in [sid, *tids]]
+        return GenerateLogProbsContent(token_id=sid, logprob=self.value, rank=None, top_logprobs=top)
+
+
+def contents(rows: Sequence[RowLogprobs | None]) -> list[GenerateLogProbsContent | None]:
+    return [None if r is None else r.content() for r in rows]
 
 
 def _order_key(lp: Tensor) -> Tensor:
@@ -265,6 +310,17 @@ def step_to_host(
     The engine needs the sampled ids on the host anyway; taking them here, in the same
     copy as the logprobs, keeps a decode step at one stream sync. See batch_positions.
     """
+    ids, rows = step_to_rows(logits, sampled, ks, processed)
+    return ids, contents(rows)
+
+
+def step_to_rows(
+    logits: Tensor,
+    sampled: Tensor,
+    ks: Sequence[int | None],
+    processed: Tensor | None = None,
+) -> tuple[list[int], list[RowLogprobs | None]]:
+    """step_to_host with the entries left as RowLogprobs (what the engine emits)."""
     src = logits if processed is None else processed
     b, vocab = src.shape
     if len(ks) != b:
@@ -272,7 +328,7 @@ def step_to_host(
     if sampled.dim() != 1 or sampled.dtype != torch.int64:
         sampled = sampled.reshape(-1).to(torch.int64)
     rows = [i for i, k in enumerate(ks) if k is not None]
-    out: list[GenerateLogProbsContent | None] = [None] * b
+    out: list[RowLogprobs | None] = [None] * b
     if not rows:
         return sampled.tolist(), out
     eff = [k if 0 <= k <= vocab else _k_for(k, vocab) for k in (ks[i] for i in rows)]  # type: ignore[operator]
@@ -287,7 +343,7 @@ def step_to_host(
         rows_data = _rows_cpu(sel_src, sel_sampled, [ids[i] for i in rows], k_max)
     else:
         ids, *rows_data = _to_host(sampled, *_rows_exact(sel_src, sel_sampled, k_max))
-    _assemble(out, rows, eff, ids, *rows_data, k_max)
+    _assemble(out, rows, eff, ids, *rows_data)
     return ids, out
 
 
@@ -321,13 +377,17 @@ def _rows_cpu(
     """
     lp = torch.log_softmax(src.float(), dim=-1)
     vals, ids = _topk_cpu(lp, k_max + 1)
+    vals.clamp_(min=FLOOR, max=0.0)
+    # Sorted values: a tie (or two values the clamp made equal) is two equal neighbours;
+    # NaN (a NaN row) is unequal to itself. One vector op instead of a set per row.
+    unsafe = (vals[:, 1:] == vals[:, :-1]).any(dim=1).logical_or_(vals[:, 0].isnan()).tolist()
     top_ids = ids.tolist()
-    top_values = vals.clamp_(min=FLOOR, max=0.0).tolist()
+    top_values = vals.tolist()
     ranks: list[int] = []
     values: list[float] = []
     redo, recount = [], []
     for j, (sid, tids, tvals) in enumerate(zip(sampled_ids, top_ids, top_values)):
-        if tvals[0] != tvals[0] or len(set(tvals)) <= k_max:  # a NaN row, or equal top values
+        if unsafe[j]:  # a NaN row, or equal top values
             redo.append(j)
             ranks.append(0)
             values.append(FLOOR)
@@ -365,36 +425,11 @@ def _assemble(
     values: list[float],
     top_ids: list[list[int]],
     top_values: list[list[float]],
-    k_max: int,
 ) -> None:
-    """The wire entries of `rows` from host lists (per selected row; top lists >= k long).
-
-    Values are already wire-safe; rank 0 marks a NaN row (every entry FLOOR, rank None).
-    Only assembly is left: the sampled id first, one list scan to drop its duplicate,
-    the cut to max(k, 1) entries.
-    """
-    slots = list(range(1, k_max + 1))  # the rank of top slot j is j + 1
-    entry = GenerateLogProb
+    """RowLogprobs for `rows` from host lists (top lists >= k long; values wire-safe)."""
     for i, k, rank, value, tids, tvals in zip(rows, eff, ranks, values, top_ids, top_values):
-        sid = ids[i]
         del tids[k:], tvals[k:]  # the lists are ours: cut in place to this row's k
-        tranks = ()
-        if k:
-            # The sampled id once, first; the cut to max(k, 1) entries drops either the
-            # top slot that repeats it or, when it is not among the top k, the last one.
-            try:
-                pos = tids.index(sid)
-            except ValueError:
-                pos = k - 1
-            del tids[pos], tvals[pos]
-            tranks = slots[:pos] + slots[pos + 1 : k]
-        if rank:
-            top = [entry(token_id=sid, logprob=value, rank=rank)]
-            top += [entry(token_id=a, logprob=v, rank=r) for a, v, r in zip(tids, tvals, tranks)]
-        else:  # the sampled value was NaN, and log_softmax makes the whole row NaN
-            rank = None
-            top = [entry(token_id=a, logprob=FLOOR, rank=None) for a in [sid, *tids]]
-        out[i] = GenerateLogProbsContent(token_id=sid, logprob=value, rank=rank, top_logprobs=top)
+        out[i] = RowLogprobs(ids[i], rank, value, tids, tvals)
 
 
 def batch_positions(

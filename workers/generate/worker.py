@@ -210,7 +210,7 @@ class GenerateHandler:
         chunk = GenerateChunk(
             request_id=request.request_id, attempt=state.attempt, seq=state.seq,
             token_offset=state.token_offset, token_ids=state.pending_ids,
-            logprobs=(GenerateLogProbs(content=state.pending_logprobs)
+            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs])
                       if request.sampling.logprobs is not None and state.pending_ids else None),
             finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
         if state.seq == 0:
