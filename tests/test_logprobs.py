@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from schemas.records import GenerateLogProbsContent
 import workers.generate.logprobs as lp_mod
+from workers.generate.logprob_entries import build_position
 from workers.generate.logprobs import (
     FLOOR,
     LogprobTensors,
@@ -20,7 +21,6 @@ from workers.generate.logprobs import (
     _packed_to_host,
     _topk_cpu,
     batch_positions,
-    build_position,
     logprobs_to_host,
     prompt_positions,
     step_to_host,
