@@ -57,3 +57,36 @@ class WorkerProcesses:
                 os.killpg(proc.pid, signal.SIGKILL)
                 codes[name] = proc.wait()
         return codes
+
+
+async def last_attempt_text(client, request) -> tuple[str, int]:
+    """Stream `request` through the client: (text of its last attempt, restarts seen)."""
+    texts, restarts = [], 0
+    async for message in client.records(request):
+        if message.restart:
+            restarts += 1
+            texts = []
+        texts.append(message.value.choices[0].text)
+    return "".join(texts), restarts
+
+
+def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
+    """What each greedy completion request prints when nothing goes wrong: the engine's
+    ids through the derender rules in-process (byte-fallback repair included, which a
+    plain tokenizer decode would not do)."""
+    from tests.derender_support import make_chunks, run_chunks, streamed_text
+    from workers.derender.state import Derenderer
+    from workers.generate.engine import Engine
+    from workers.generate.worker import PROMPT_TAIL
+
+    engine = Engine(str(model_dir), max_batch=len(requests))
+    ids = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        for out in engine.step():
+            ids[out.request_id].extend(out.token_ids)
+    derenderer = Derenderer(str(model_dir))
+    return {r.request_id: streamed_text(run_chunks(derenderer, make_chunks(
+        r.request_id, ids[r.request_id], output=r.output, prompt_tail=r.prompt_token_ids[-PROMPT_TAIL:],
+        prompt_count=len(r.prompt_token_ids)))) for r in requests}

@@ -17,12 +17,11 @@ import signal
 import pytest
 from transformers import AutoTokenizer
 
-from tests.derender_support import make_chunks, run_chunks, streamed_text
 from schemas import GenerateChunk
 from tests.kafka_helpers import read_to_end, read_topic
-from tests.process_helpers import WorkerProcesses
-from workers.kafka.records import decode_message
+from tests.process_helpers import WorkerProcesses, last_attempt_text, uninterrupted_texts
 from workers.client import GenpipeClient, make_request
+from workers.kafka.records import decode_message
 from workers.kafka.settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow,
@@ -33,27 +32,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow,
 RESTART_PORT = 29192
 PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "東京の天気は", "Hello! 👋 How are",
            "Die Straße war", "¿Dónde está", "The little fox said"]
-
-
-def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
-    """What each (greedy, ignore_eos) request prints when nothing goes wrong: the engine's
-    ids through the derender rules in-process (byte-fallback repair included, which a
-    plain tokenizer decode would not do)."""
-    from workers.derender.state import Derenderer
-    from workers.generate.engine import Engine
-    from workers.generate.worker import PROMPT_TAIL
-
-    engine = Engine(str(model_dir), max_batch=len(requests))
-    ids = {r.request_id: [] for r in requests}
-    for request in requests:
-        engine.add(request)
-    while engine.has_work():
-        for out in engine.step():
-            ids[out.request_id].extend(out.token_ids)
-    derenderer = Derenderer(str(model_dir))
-    return {r.request_id: streamed_text(run_chunks(derenderer, make_chunks(
-        r.request_id, ids[r.request_id], output=r.output, prompt_tail=r.prompt_token_ids[-PROMPT_TAIL:],
-        prompt_count=len(r.prompt_token_ids)))) for r in requests}
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
@@ -71,7 +49,6 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     requests = [make_request(tokenizer.encode(prompt), kind="completion", request_id=f"br-{i}", max_tokens=160,
                              temperature=0, ignore_eos=True, stream=True) for i, prompt in enumerate(PROMPTS)]
-    restarts = 0
     try:
         await make_topics(settings, partitions=2)
         common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
@@ -82,17 +59,7 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
         await asyncio.to_thread(workers.wait_ready)
 
         async with GenpipeClient(settings=settings, timeout_s=240) as client:
-            async def run(request):
-                nonlocal restarts
-                texts = []
-                async for message in client.records(request):
-                    restarts += message.restart
-                    if message.restart:
-                        texts = []
-                    texts.append(message.value.choices[0].text)
-                return "".join(texts)
-
-            tasks = [asyncio.ensure_future(run(r)) for r in requests]
+            tasks = [asyncio.ensure_future(last_attempt_text(client, r)) for r in requests]
             # Restart once tokens are flowing but well before the requests can finish.
             await read_topic(settings, settings.topic("results"), until=lambda rs: len(rs) >= 40)
             chunks = await read_to_end(settings, settings.topic("chunks"))
@@ -108,7 +75,7 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
             info = await asyncio.to_thread(local.broker_up, port=RESTART_PORT, data_dir=data_dir,
                                            timeout=120, quiet=True)
             assert not info.reused
-            texts = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            texts = [text for text, _ in await asyncio.wait_for(asyncio.gather(*tasks), 300)]
         for name, proc in workers.procs:
             assert proc.poll() is None, f"{name} died across the restart:\n{workers.log(name)[-3000:]}"
     finally:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from schemas import GenerateChunk, header_value
 from tests.kafka_helpers import read_topic
-from tests.process_helpers import WorkerProcesses
+from tests.process_helpers import WorkerProcesses, last_attempt_text, uninterrupted_texts
 from workers.client import GenpipeClient, GenpipeError, make_request
 from workers.kafka.records import HEADER_FINAL, decode_message
 
@@ -122,48 +122,27 @@ async def test_kill_9_of_a_generate_worker_mid_stream_loses_no_request(kafka_set
     await make_topics(kafka_settings, partitions=4)
     workers = WorkerProcesses(tmp_path)
     common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
-    # Paced like a real model (200 tokens ≈ 4 s), so the kill lands mid-stream however fast the box.
-    paced = ["--max-batch", "8", "--min-step-ms", "20"]
+    # Paced (200 tokens ≥ 10 s), so the kill lands mid-stream even if a loaded box delays
+    # the first results by seconds (a chunk can't be published before it is sampled).
+    paced = ["--max-batch", "8", "--min-step-ms", "50"]
     workers.start("generate-0", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
     workers.start("generate-1", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
     workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
     requests = [make_request([1, 100 + i, 200], kind="completion", request_id=f"k9-{i}", max_tokens=200,
                              temperature=0, ignore_eos=True, stream=True) for i in range(16)]
-    restarts = 0
     try:
         workers.wait_ready()
         async with GenpipeClient(settings=kafka_settings, timeout_s=180) as client:
-            async def run(request):
-                nonlocal restarts
-                texts = []
-                async for message in client.records(request):
-                    restarts += message.restart
-                    if message.restart:
-                        texts = []
-                    texts.append(message.value.choices[0].text)
-                return "".join(texts)
-            tasks = [asyncio.ensure_future(run(r)) for r in requests]
-            # kill generate-0 once it is streaming
-            await read_topic(kafka_settings, kafka_settings.topic("results"), until=lambda rs: len(rs) >= 50)
+            tasks = [asyncio.ensure_future(last_attempt_text(client, r)) for r in requests]
+            # kill generate-0 once every request is streaming (whichever worker owns it)
+            await read_topic(kafka_settings, kafka_settings.topic("results"),
+                             until=lambda rs: len({r.key for r in rs}) == len(requests))
             workers.kill("generate-0")
-            texts = await asyncio.gather(*tasks)
+            done = await asyncio.gather(*tasks)
     finally:
         workers.stop_all()
     # every request completed, exactly as a single uninterrupted greedy run would
-    from workers.generate.engine import Engine
-    engine = Engine(str(tiny_model_dir), max_batch=16)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    for request in requests:
-        engine.add(request)
-    ids = {r.request_id: [] for r in requests}
-    while engine.has_work():
-        for out in engine.step():
-            ids[out.request_id].extend(out.token_ids)
-    for request, text in zip(requests, texts):
-        tail = request.prompt_token_ids[-8:]
-        full = tokenizer.decode(tail + ids[request.request_id], skip_special_tokens=True)[
-            len(tokenizer.decode(tail, skip_special_tokens=True)):]
-        if "\ufffd" not in full:
-            assert text == full, request.request_id
-        assert text
-    assert restarts >= 1, "the killed worker's requests restarted on the other one"
+    expected = uninterrupted_texts(tiny_model_dir, requests)
+    for request, (text, _) in zip(requests, done):
+        assert text == expected[request.request_id], request.request_id
+    assert sum(restarts for _, restarts in done) >= 1, "the killed worker's requests restarted on the other one"

@@ -144,3 +144,24 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
     finally:
         await admin.close()
     assert committed[tp].offset == 3 and committed[tp].metadata == "seen"
+
+
+async def test_a_dead_background_task_stops_the_worker_with_exit_1(kafka_settings, caplog):
+    """A worker whose helper task died (the generate worker's cancel follower) must not run
+    on half-blind: it stops, logs why, and exits 1 so a supervisor restarts it."""
+    from workers.kafka.runtime import serve
+
+    await create_topics(kafka_settings, partitions=1)
+    ready = asyncio.Event()
+
+    async def follower_that_dies():
+        await ready.wait()
+        raise RuntimeError("cancel topic vanished")
+
+    code = await asyncio.wait_for(serve(
+        kafka_settings, topic=kafka_settings.topic("requests"), group_id=f"{kafka_settings.topic_prefix}-g",
+        make_handler=lambda publisher, loop: ForwardingHandler(kafka_settings, publisher, loop),
+        stop=asyncio.Event(), grace_s=5, background=lambda publisher, loop, stop: [follower_that_dies()],
+        on_ready=ready.set, worker="test"), 60)
+    assert code == 1
+    assert "background task failed, stopping: RuntimeError('cancel topic vanished')" in caplog.text

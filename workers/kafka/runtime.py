@@ -49,6 +49,20 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
     consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
     tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]
+    failures: list[BaseException] = []
+
+    def watch(task: asyncio.Future) -> None:
+        # A background task (the generate worker's cancel follower) that dies would leave
+        # the worker running half-blind (cancels ignored): stop it, exit non-zero, so a
+        # supervisor restarts it.
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s worker: background task failed, stopping: %r", worker, task.exception())
+        failures.append(task.exception())
+        stop.set()
+
+    for task in tasks:
+        task.add_done_callback(watch)
     ready_task = None
     if on_ready is not None:
         async def announce():
@@ -58,7 +72,7 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     try:
         await consumer_loop.run(stop, grace_s=grace_s)
         await publisher.flush()
-        return 0
+        return 1 if failures else 0
     finally:
         stop.set()
         for task in tasks + ([ready_task] if ready_task else []):
