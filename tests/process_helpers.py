@@ -39,6 +39,12 @@ class WorkerProcesses:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
+    def partitions(self, name: str) -> set[int]:
+        """The partitions a worker holds now, from its last "partitions assigned" log line."""
+        lines = [line for line in self.log(name).splitlines() if "partitions assigned: [" in line]
+        assert lines, f"{name} has no partitions yet"
+        return {int(p) for p in lines[-1].rsplit("[", 1)[1].rstrip("]").split(",") if p.strip()}
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         for n, proc in self.procs:
             if n == name and proc.poll() is None:

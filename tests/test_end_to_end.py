@@ -123,8 +123,9 @@ async def test_kill_9_of_a_generate_worker_mid_stream_loses_no_request(kafka_set
     workers = WorkerProcesses(tmp_path)
     common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
     # Paced (200 tokens ≥ 10 s), so the kill lands mid-stream even if a loaded box delays
-    # the first results by seconds (a chunk can't be published before it is sampled).
-    paced = ["--max-batch", "8", "--min-step-ms", "50"]
+    # the first results by seconds (a chunk can't be published before it is sampled); a
+    # batch of 16, so no request waits for a row.
+    paced = ["--max-batch", "16", "--min-step-ms", "50"]
     workers.start("generate-0", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
     workers.start("generate-1", "generate-worker", "--model", str(tiny_model_dir), *paced, *common)
     workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
@@ -134,9 +135,11 @@ async def test_kill_9_of_a_generate_worker_mid_stream_loses_no_request(kafka_set
         workers.wait_ready()
         async with GenpipeClient(settings=kafka_settings, timeout_s=180) as client:
             tasks = [asyncio.ensure_future(last_attempt_text(client, r)) for r in requests]
-            # kill generate-0 once every request is streaming (whichever worker owns it)
+            # kill generate-0 once one of its requests is streaming (a result on one of its
+            # partitions: records keep their request's partition number end to end)
+            mine = workers.partitions("generate-0")
             await read_topic(kafka_settings, kafka_settings.topic("results"),
-                             until=lambda rs: len({r.key for r in rs}) == len(requests))
+                             until=lambda rs: any(r.partition in mine for r in rs))
             workers.kill("generate-0")
             done = await asyncio.gather(*tasks)
     finally:

@@ -10,7 +10,7 @@ from aiokafka import TopicPartition
 from schemas import JSON, MSGPACK, Cancel, DecodeError, GenerateRequest, ValidationError
 from tests.kafka_helpers import read_topic, wait_for
 from workers.broker.topics import create_topics
-from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.clients import make_admin, make_consumer, make_producer
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION,
@@ -165,3 +165,42 @@ async def test_a_dead_background_task_stops_the_worker_with_exit_1(kafka_setting
         on_ready=ready.set, worker="test"), 60)
     assert code == 1
     assert "background task failed, stopping: RuntimeError('cancel topic vanished')" in caplog.text
+
+
+async def test_follow_from_a_time_never_skips_a_record_produced_while_it_starts(kafka_settings):
+    """assign_all looks up the topic's ends and the offsets for `since_ms`; a record that
+    lands between those two lookups (a cancel sent while a generate worker starts) must
+    still be read. The record is produced right after whichever lookup comes first."""
+    import time
+
+    from workers.kafka.follow import assign_all
+
+    await create_topics(kafka_settings, partitions=1)
+    topic = kafka_settings.topic("cancel")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    consumer = make_consumer(kafka_settings, group_id=None, auto_offset_reset="latest")
+    await consumer.start()
+    try:
+        produced = []
+
+        def produce_after(lookup):
+            async def wrapped(*args, **kwargs):
+                result = await lookup(*args, **kwargs)
+                if not produced:
+                    produced.append(await producer.send_and_wait(topic, b'{"request_id": "c1"}', key=b"c1"))
+                return result
+            return wrapped
+
+        consumer.end_offsets = produce_after(consumer.end_offsets)
+        consumer.offsets_for_times = produce_after(consumer.offsets_for_times)
+        [tp] = await assign_all(consumer, topic, since_ms=int((time.time() - 300) * 1000))
+        assert produced and produced[0].offset == 0
+        records = []
+        deadline = time.monotonic() + 30
+        while not records and time.monotonic() < deadline:
+            records += (await consumer.getmany(tp, timeout_ms=200)).get(tp, [])
+        assert [r.value for r in records] == [b'{"request_id": "c1"}']
+    finally:
+        await consumer.stop()
+        await producer.stop()

@@ -36,8 +36,11 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
     if since_ms is None:
         await consumer.seek_to_end(*tps)
     else:
-        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+        # The ends first: a record that lands between the two lookups is then either found
+        # by the time lookup or at/after the end we fall back to — never skipped. (The
+        # other order lost a cancel produced while a generate worker was starting.)
         ends = await consumer.end_offsets(tps)
+        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
         for tp in tps:
             consumer.seek(tp, found[tp].offset if found.get(tp) is not None else ends[tp])
     # Resolve positions now, so records produced after this call are never skipped.
