@@ -76,6 +76,17 @@ async def last_attempt_text(client, request) -> tuple[str, int]:
     return "".join(texts), restarts
 
 
+def run_alone(engine, requests) -> dict[str, list[int]]:
+    """The reference: every request through the engine in-process, no Kafka; ids by request."""
+    ids = {r.request_id: [] for r in requests}
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        for out in engine.step():
+            ids[out.request_id].extend(out.token_ids)
+    return ids
+
+
 def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
     """What each greedy completion request prints when nothing goes wrong: the engine's
     ids through the derender rules in-process (byte-fallback repair included, which a
@@ -85,13 +96,7 @@ def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
     from workers.generate.engine import Engine
     from workers.generate.worker import PROMPT_TAIL
 
-    engine = Engine(str(model_dir), max_batch=len(requests))
-    ids = {r.request_id: [] for r in requests}
-    for request in requests:
-        engine.add(request)
-    while engine.has_work():
-        for out in engine.step():
-            ids[out.request_id].extend(out.token_ids)
+    ids = run_alone(Engine(str(model_dir), max_batch=len(requests)), requests)
     derenderer = Derenderer(str(model_dir))
     return {r.request_id: streamed_text(run_chunks(derenderer, make_chunks(
         r.request_id, ids[r.request_id], output=r.output, prompt_tail=r.prompt_token_ids[-PROMPT_TAIL:],

@@ -9,6 +9,7 @@ import pytest
 
 from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
 from tests.kafka_helpers import read_topic
+from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 from workers.kafka.clients import make_producer
@@ -20,17 +21,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20)
-
-
-def run_alone(engine: Engine, requests: list[GenerateRequest]) -> dict[str, list[int]]:
-    """The reference: the engine in-process, no Kafka."""
-    tokens = {r.request_id: [] for r in requests}
-    for request in requests:
-        engine.add(request)
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-    return tokens
 
 
 def chunks_by_request(records) -> dict[str, list[GenerateChunk]]:
