@@ -91,7 +91,7 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
         os.kill(engine._process.pid, signal.SIGKILL)
         got.wait(lambda: got.calls_after_failure == 1)
         assert isinstance(engine.failure, RuntimeError)
-        assert "engine process exited" in str(engine.failure)
+        assert "engine process exited (exit code -9)" in str(engine.failure)
         with pytest.raises(RuntimeError, match="engine process is gone"):
             engine.add(request("late", [1, 2, 3]))
     finally:

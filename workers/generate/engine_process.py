@@ -109,6 +109,7 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
+                    self._process.join(5)  # reap it, so the exit code is known (EOF can come first)
                     self._fail(RuntimeError(f"the engine process exited (exit code {self._process.exitcode})"))
                 return
             if message[0] == "step":
