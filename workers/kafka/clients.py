@@ -2,8 +2,14 @@
 
 The defaults are the ones token streaming needs (see NOTES.md): idempotent producer
 with acks=all and no linger (a token waits for nothing; the generate worker batches a
-whole step's chunks itself, and records queue up anyway while a request is in flight); consumers without auto-commit (workers commit only what
-is safe, SPEC §4/§5.5) and a short fetch wait so tokens are not held for 500 ms.
+whole step's chunks itself, and records queue up anyway while a request is in flight);
+consumers without auto-commit (workers commit only what is safe, SPEC §4/§5.5).
+
+Fetch wait: the broker answers a waiting fetch as soon as a record lands on any of its
+partitions, so a long wait costs no latency (measured: 5 and 500 ms give the same token
+latency, BENCHMARKS.md); it only bounds how often an idle consumer asks again. At 20 ms
+a generate worker's request consumer and cancel follower together asked 100 times a second, which on a
+shared box cost the engine ~10% of its tokens/s (engine (c)).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, *
         group_id=group_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=20,
+        fetch_max_wait_ms=500,
         max_poll_records=1000,
         session_timeout_ms=30000,
         heartbeat_interval_ms=3000,

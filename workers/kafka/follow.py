@@ -32,20 +32,17 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
         if not partitions:
             await asyncio.sleep(0.1)
     tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    # Both lookups before assigning: the ends first, so a record that lands between the
+    # two is either found by the time lookup or at/after the end we fall back to — never
+    # skipped (the other order lost a cancel produced while a generate worker started).
+    ends = await consumer.end_offsets(tps)
+    found = await consumer.offsets_for_times({tp: since_ms for tp in tps}) if since_ms is not None else {}
+    # Then assign and seek with no await in between, so the consumer's first fetch already
+    # starts at these positions: a fetch sent from its default position would sit on the
+    # broker for up to fetch_max_wait_ms before the seek could take effect.
     consumer.assign(tps)
-    if since_ms is None:
-        await consumer.seek_to_end(*tps)
-    else:
-        # The ends first: a record that lands between the two lookups is then either found
-        # by the time lookup or at/after the end we fall back to — never skipped. (The
-        # other order lost a cancel produced while a generate worker was starting.)
-        ends = await consumer.end_offsets(tps)
-        found = await consumer.offsets_for_times({tp: since_ms for tp in tps})
-        for tp in tps:
-            consumer.seek(tp, found[tp].offset if found.get(tp) is not None else ends[tp])
-    # Resolve positions now, so records produced after this call are never skipped.
     for tp in tps:
-        await consumer.position(tp)
+        consumer.seek(tp, found[tp].offset if found.get(tp) is not None else ends[tp])
     return tps
 
 
