@@ -11,8 +11,11 @@
     [B, 2+2k] values copied to the host per step) vs without logprobs.
 
 Prints tokens/s for each and the ratios (goals: (a) >= 2x, (b) <= 10% slower), by wall
-time and by process CPU time (steadier on a shared machine). Configurations run
-interleaved `--repeat` times; the best run of each counts. On CPU the default is one
+time and by process CPU time. Configurations run interleaved `--repeat` times, in
+alternating order; the best run of each counts. For (b) the drift between runs of a
+shared machine is larger than the effect, so it also times the logprob work inside the
+steps of one run: the same steps with and without it, which is the figure to read there.
+On CPU the default is one
 torch thread: the tiny model's matmuls are too small to split, and on a busy 2-core
 machine two threads spin-wait and ran 2-4x slower for both sides (measured).
 
@@ -208,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         configs["hf"] = lambda: run_hf(model, work, args.batch, device)
     # Interleaved repeats (the machine may be shared): the best run of each counts.
     runs: dict[str, list] = {name: [] for name in configs}
-    for _ in range(args.repeat):
-        for name, fn in configs.items():
+    for repeat in range(args.repeat):
+        order = list(configs.items())
+        for name, fn in order if repeat % 2 == 0 else order[::-1]:  # alternate: no order bias
             c0 = time.process_time()
             tokens, secs, steps = fn()
             runs[name].append((tokens, secs, steps, time.process_time() - c0))
