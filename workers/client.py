@@ -438,8 +438,9 @@ class GenpipeClient:
         consumer = None
         try:
             await producer.start()
-            consumer = make_consumer(self.settings, group_id=None, auto_offset_reset="latest",
-                                     fetch_max_wait_ms=10)
+            # The default fetch wait: a reply landing ends a waiting fetch at once, and an
+            # idle client then asks the broker twice a second, not a hundred times.
+            consumer = make_consumer(self.settings, group_id=None, auto_offset_reset="latest")
             await consumer.start()
             since = int((time.time() - SINCE_MARGIN_S) * 1000)
             # Positions are resolved before this returns: every record produced from
