@@ -286,16 +286,16 @@ def _rows_cpu(
     lp = torch.log_softmax(src.float(), dim=-1)
     vals, ids = _topk_cpu(lp, k_max + 1)
     vals.clamp_(min=FLOOR, max=0.0)
-    # Sorted values: a tie (or two values the clamp made equal) is two equal neighbours;
-    # NaN (a NaN row) is unequal to itself. One vector op instead of a set per row.
-    unsafe = (vals[:, 1:] == vals[:, :-1]).any(dim=1).logical_or_(vals[:, 0].isnan()).tolist()
+    # Sorted values: a row is safe when they strictly decrease. A tie, two values the
+    # clamp made equal, or NaN (a NaN row is NaN throughout; NaN > x is false) breaks it.
+    safe = (vals[:, :-1] > vals[:, 1:]).all(dim=1).tolist()
     top_ids = ids.tolist()
     top_values = vals.tolist()
     ranks: list[int] = []
     values: list[float] = []
     redo, recount = [], []
     for j, (sid, tids, tvals) in enumerate(zip(sampled_ids, top_ids, top_values)):
-        if unsafe[j]:  # a NaN row, or equal top values
+        if not safe[j]:  # a NaN row, or equal top values
             redo.append(j)
             ranks.append(0)
             values.append(FLOOR)
