@@ -8,8 +8,8 @@ consumers without auto-commit (workers commit only what is safe, SPEC §4/§5.5)
 Fetch wait: the broker answers a waiting fetch as soon as a record lands on any of its
 partitions, so a long wait costs no latency (measured: 5 and 500 ms give the same token
 latency, BENCHMARKS.md); it only bounds how often an idle consumer asks again. At 20 ms
-a generate worker's request consumer and cancel follower together asked 100 times a second, which on a
-shared box cost the engine ~10% of its tokens/s (engine (c)).
+a generate worker's request consumer and cancel follower together asked 100 times a
+second, which on a shared box cost the engine ~10% of its tokens/s (engine (c)).
 """
 
 from __future__ import annotations
