@@ -24,7 +24,7 @@ from workers.kafka.offsets import OffsetTracker
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, RESULTS, TOKENS
+from workers.metrics import CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, RESULTS, TOKENS, series
 
 W = "derender"  # metrics label
 
@@ -64,14 +64,14 @@ class DerenderHandler:
         try:
             chunk = decode_message(message, GenerateChunk)
         except RecordError as exc:
-            DLQ.labels(W).inc()
+            series(DLQ, W).inc()
             if message.offset >= self.publish_from.get(tp, 0):
                 offsets.hold(message.offset)
                 future = await self.publisher.to_dlq(message, str(exc))
                 future.add_done_callback(lambda f: self._release(tp, message.offset))
             return
-        CHUNKS.labels(W).inc()
-        TOKENS.labels(W).inc(len(chunk.token_ids))
+        series(CHUNKS, W).inc()
+        series(TOKENS, W).inc(len(chunk.token_ids))
         rid = chunk.request_id
         outputs = self.derenderer.process(chunk)
         if rid not in self.request_start and self.derenderer.is_active(rid):
@@ -89,20 +89,20 @@ class DerenderHandler:
         for output in outputs:
             last_future = await self.publisher.publish(self._outgoing(output, tp))
         if outputs and chunk.sampled_at_ns:
-            DERENDER_LATENCY.labels(W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
+            series(DERENDER_LATENCY, W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
         if last_future is not None:
             last_future.add_done_callback(lambda f: self._acked(tp, message.offset, f))
         if finished:
             self._finish(rid, last_future)
-        IN_FLIGHT.labels(W).set(len(self.request_start))
+        series(IN_FLIGHT, W).set(len(self.request_start))
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):
             return Outgoing(self.cancel_topic, output.request_id,
                             Cancel(request_id=output.request_id, reason=output.reason), MSGPACK)
-        RESULTS.labels(W).inc()
+        series(RESULTS, W).inc()
         if output.final and isinstance(output.value, ErrorResponse):
-            ERRORS.labels(W).inc()
+            series(ERRORS, W).inc()
         # The default results topic shares the chunk topic's partition count: keep the
         # request on its partition number. A reply topic may have fewer (the publisher
         # then falls back to key hashing).

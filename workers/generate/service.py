@@ -16,7 +16,7 @@ from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import BATCH_SIZE, STEP_TIME
+from workers.metrics import BATCH_SIZE, STEP_TIME, series
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
 
     def deliver(outputs: list, step_s: float) -> None:  # on the engine (reader) thread
         if step_s:
-            STEP_TIME.labels("generate").observe(step_s)
-            BATCH_SIZE.labels("generate").observe(len(outputs))
+            series(STEP_TIME, "generate").observe(step_s)
+            series(BATCH_SIZE, "generate").observe(len(outputs))
         if outputs or holder["engine"].failure is not None:
             loop.call_soon_threadsafe(on_outputs, outputs)
 

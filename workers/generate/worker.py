@@ -22,7 +22,7 @@ from workers.kafka.loop import ConsumerLoop
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import CHUNKS, DLQ, ERRORS, IN_FLIGHT, INTER_TOKEN, REQUESTS, TOKENS, TTFT
+from workers.metrics import CHUNKS, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TOKENS, TTFT, series
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class GenerateHandler:
         except DecodeError as exc:
             await self._to_dlq(message, tp, str(exc))
             return
-        REQUESTS.labels(W, "accepted").inc()
+        series(REQUESTS, W, "accepted").inc()
         if request.request_id in self.inflight:
             # The same request twice at once (a producer retry): the running one answers.
             log.warning("request %s already running; duplicate at offset %d dropped",
@@ -129,16 +129,16 @@ class GenerateHandler:
             return
         self.inflight[request.request_id] = state
         self._idle.clear()
-        IN_FLIGHT.labels(W).set(len(self.inflight))
+        series(IN_FLIGHT, W).set(len(self.inflight))
 
     async def _to_dlq(self, message, tp: TopicPartition, error: str) -> None:
-        DLQ.labels(W).inc()
+        series(DLQ, W).inc()
         future = await self.publisher.to_dlq(message, error)
         self._release_when_acked(future, tp, message.offset)
 
     async def _reject(self, request: GenerateRequest, tp: TopicPartition, offset: int, error: str) -> None:
-        REQUESTS.labels(W, "invalid").inc()
-        ERRORS.labels(W).inc()
+        series(REQUESTS, W, "invalid").inc()
+        series(ERRORS, W).inc()
         state = InFlight(request, tp, offset)
         await self._publish_final(state, "error", error=ChunkError(message=error))
 
@@ -156,9 +156,9 @@ class GenerateHandler:
                 state.prompt_logprobs = out.prompt_logprobs
             if out.token_ids:
                 if state.last_token_at is None:
-                    TTFT.labels(W).observe(now - state.received_at)
+                    series(TTFT, W).observe(now - state.received_at)
                 else:
-                    INTER_TOKEN.labels(W).observe(now - state.last_token_at)
+                    series(INTER_TOKEN, W).observe(now - state.last_token_at)
                 state.last_token_at = now
                 if not state.pending_ids:
                     state.pending_since = now
@@ -170,7 +170,7 @@ class GenerateHandler:
                 finals.append((state, out))
         for state, _ in finals:
             del self.inflight[state.request.request_id]
-        IN_FLIGHT.labels(W).set(len(self.inflight))
+        series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
         task = asyncio.ensure_future(self._publish_step(
@@ -186,7 +186,7 @@ class GenerateHandler:
             records, owners = [], []
             for state, finish_reason, error, stop_token_id in finals:
                 if finish_reason != "error":  # errors were counted as "invalid" when rejected
-                    REQUESTS.labels(W, finish_reason).inc()
+                    series(REQUESTS, W, finish_reason).inc()
                 state.closed = True
                 records.append(self._outgoing(state, self._take_chunk(
                     state, finish_reason, error=error, stop_token_id=stop_token_id)))
@@ -216,8 +216,8 @@ class GenerateHandler:
         if state.seq == 0:
             for name, value in first_chunk_fields(request, state.prompt_logprobs).items():
                 setattr(chunk, name, value)
-        CHUNKS.labels(W).inc()
-        TOKENS.labels(W).inc(len(state.pending_ids))
+        series(CHUNKS, W).inc()
+        series(TOKENS, W).inc(len(state.pending_ids))
         state.seq += 1
         state.token_offset += len(state.pending_ids)
         state.pending_ids, state.pending_logprobs = [], []
