@@ -11,7 +11,7 @@ from typing import Callable
 from schemas import Cancel, RecordError
 from workers.generate.engine_process import EngineProcess
 from workers.generate.engine_thread import EngineThread
-from workers.generate.worker import ChunkPolicy, GenerateHandler
+from workers.generate.worker import W, ChunkPolicy, GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
 from workers.kafka.runtime import serve
@@ -66,8 +66,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
 
     def deliver(outputs: list, step_s: float) -> None:  # on the engine (reader) thread
         if step_s:
-            series(STEP_TIME, "generate").observe(step_s)
-            series(BATCH_SIZE, "generate").observe(len(outputs))
+            series(STEP_TIME, W).observe(step_s)
+            series(BATCH_SIZE, W).observe(len(outputs))
         if outputs or holder["engine"].failure is not None:
             loop.call_soon_threadsafe(on_outputs, outputs)
 
@@ -107,7 +107,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     try:
         return await serve(settings, topic=settings.topic("requests"), group_id=config.group_id,
                            make_handler=make_handler, stop=stop, grace_s=config.grace_s,
-                           background=background, on_ready=on_ready, worker="generate",
+                           background=background, on_ready=on_ready, worker=W,
                            loop_options={"commit_interval_s": config.commit_interval_s})
     finally:
         holder["engine"].stop()
