@@ -12,6 +12,7 @@ from tests.kafka_helpers import read_topic
 from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+from workers.generate.worker import ChunkPolicy
 from workers.kafka.clients import make_producer
 from workers.kafka.records import HEADER_DLQ_OFFSET, decode_message
 
@@ -115,6 +116,46 @@ async def test_fifty_concurrent_requests_stream_ordered_chunks_equal_to_the_engi
             assert all(c.logprobs is None for c in got)
         # the request went to partition i % 4 and its chunks stay on that partition number
         assert partition_of[request.request_id] == {i % 4}
+
+
+class HoldUntilFinal(ChunkPolicy):
+    """Never publish early: every token piles up until the request's final chunk. That is
+    where tokens pile up in a lagging worker too (steps keep coming while a publish is
+    under way), but here it happens every time rather than when the machine is slow."""
+
+    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
+        return False
+
+
+async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
+        kafka_settings, make_topics, engine, tiny_model_dir):
+    await make_topics(kafka_settings, partitions=2)
+    requests = [GenerateRequest(request_id=f"pile-{i}", prompt_token_ids=[1, 20 + i, 30 + i],
+                                sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
+                                                        logprobs=2 if i % 2 else None))
+                for i, n in enumerate([1, 3, 4, 17, 40])]
+    reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), requests)
+    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=3))
+    try:
+        await produce(kafka_settings, [request_record(r) for r in requests])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=finished({r.request_id for r in requests}))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)
+    for request in requests:
+        got = chunks[request.request_id]
+        n = request.sampling.max_tokens
+        assert [len(c.token_ids) for c in got] == [3] * ((n - 1) // 3) + [n - 3 * ((n - 1) // 3)]
+        assert [c.seq for c in got] == list(range(len(got)))
+        assert [c.token_offset for c in got] == list(range(0, n, 3))
+        assert [t for c in got for t in c.token_ids] == reference[request.request_id]
+        assert got[-1].finish_reason == "length" and all(c.finish_reason is None for c in got[:-1])
+        assert got[0].prompt_token_count == 3 and all(c.prompt_token_count is None for c in got[1:])
+        if request.sampling.logprobs is not None:
+            for c in got:
+                assert [e.token_id for e in c.logprobs.content] == c.token_ids
 
 
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):

@@ -188,15 +188,16 @@ class GenerateHandler:
                 if finish_reason != "error":  # errors were counted as "invalid" when rejected
                     series(REQUESTS, W, finish_reason).inc()
                 state.closed = True
-                records.append(self._outgoing(state, self._take_chunk(
-                    state, finish_reason, error=error, stop_token_id=stop_token_id)))
-                owners.append(state)
+                chunks = self._take_chunks(state, finish_reason, error=error, stop_token_id=stop_token_id)
+                records.extend(self._outgoing(state, chunk) for chunk in chunks)
+                owners.extend([None] * (len(chunks) - 1) + [state])  # the final chunk's ack releases
             now = time.monotonic()
             for state in list(self.inflight.values()):
                 if not state.closed and self.policy.should_flush(
                         len(state.pending_ids), now - state.pending_since, self.publisher.in_flight):
-                    records.append(self._outgoing(state, self._take_chunk(state)))
-                    owners.append(None)
+                    chunks = self._take_chunks(state)
+                    records.extend(self._outgoing(state, chunk) for chunk in chunks)
+                    owners.extend([None] * len(chunks))
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:
@@ -205,22 +206,36 @@ class GenerateHandler:
     async def _flush_ready(self) -> None:
         await self._publish_step([])
 
-    def _take_chunk(self, state: InFlight, finish_reason=None, **extra) -> GenerateChunk:
+    def _take_chunks(self, state: InFlight, finish_reason=None, **extra) -> list[GenerateChunk]:
+        """All of the request's pending tokens, as chunks of at most `policy.max_tokens`; the
+        last one carries `finish_reason`. Tokens pile up past the bound while a publish is
+        under way (steps keep coming); cutting here keeps every chunk bounded (SPEC §4), and
+        with it a long request's logprobs below the broker's message size limit."""
+        size = max(1, self.policy.max_tokens)
+        chunks = []
+        while len(state.pending_ids) > size:
+            chunks.append(self._take_chunk(state, size))
+        chunks.append(self._take_chunk(state, len(state.pending_ids), finish_reason, **extra))
+        return chunks
+
+    def _take_chunk(self, state: InFlight, count: int, finish_reason=None, **extra) -> GenerateChunk:
+        """The first `count` pending tokens as the request's next chunk."""
         request = state.request
+        token_ids, state.pending_ids = state.pending_ids[:count], state.pending_ids[count:]
+        rows, state.pending_logprobs = state.pending_logprobs[:count], state.pending_logprobs[count:]
         chunk = GenerateChunk(
             request_id=request.request_id, attempt=state.attempt, seq=state.seq,
-            token_offset=state.token_offset, token_ids=state.pending_ids,
-            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs])
-                      if request.sampling.logprobs is not None and state.pending_ids else None),
+            token_offset=state.token_offset, token_ids=token_ids,
+            logprobs=(GenerateLogProbs(content=[row.content() for row in rows])
+                      if request.sampling.logprobs is not None and token_ids else None),
             finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
         if state.seq == 0:
             for name, value in first_chunk_fields(request, state.prompt_logprobs).items():
                 setattr(chunk, name, value)
         series(CHUNKS, W).inc()
-        series(TOKENS, W).inc(len(state.pending_ids))
+        series(TOKENS, W).inc(len(token_ids))
         state.seq += 1
-        state.token_offset += len(state.pending_ids)
-        state.pending_ids, state.pending_logprobs = [], []
+        state.token_offset += len(token_ids)
         return chunk
 
     def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
