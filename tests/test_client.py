@@ -14,7 +14,7 @@ import pytest
 
 from schemas import (Cancel, ChatCompletion, ChatCompletionChunk, ChatCompletionStreamChoice, Completion,
                      DeltaMessage, ErrorResponse, GenerateChunk, JSON, encode, headers_for)
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import read_to_end, read_topic
 from workers.cli import main
 from workers.client import (AttemptFilter, GenpipeClient, GenpipeError, GenpipeTimeout, Restart, assemble,
                             load_tokenizer, make_request, render_chat, render_prompt)
@@ -371,15 +371,19 @@ async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_mo
         make_request(chat, kind="chat", stream=False, max_tokens=8, temperature=0.0),
         make_request([1, 10**6]),  # an id outside the vocabulary: an error result
     ]
+    # Run alone before the rest, so its chunks open its partition of the chunk log: with
+    # more tokens than a chunk may hold (16), it spans offsets 0, 1, ... there.
+    opening = make_request(prompt, stream=True, max_tokens=40, ignore_eos=True, temperature=0.0)
     async with GenpipeClient(settings=settings, timeout_s=60) as client:
         async def run(request):
             return [r async for r in client.records(request)]
+        await run(opening)
         got = await asyncio.gather(*(run(r) for r in requests))
     assert got[2][-1].value.choices[0].finish_reason == "stop"  # the stop string matched
     assert " " not in "".join(r.value.choices[0].text for r in got[2])
     assert isinstance(got[4][-1].value, ErrorResponse) and got[4][-1].final
     assert all(r[-1].final and not any(x.restart for x in r) for r in got)
-    rids = {r.request_id for r in requests}
+    rids = {r.request_id for r in requests} | {opening.request_id}
 
     def by_request(records) -> dict[str, list]:
         out: dict[str, list] = {}
@@ -417,14 +421,22 @@ async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_mo
 
     # from the middle of the log: requests whose seq 0 is before the range are skipped
     # (reported), every other request is still reproduced exactly
+    chunk_offsets: dict[str, list[tuple[int, int]]] = {}  # request -> (seq, offset) of its chunks
+    for record in await read_to_end(settings, settings.topic("chunks")):
+        chunk = decode_message(record, GenerateChunk)
+        chunk_offsets.setdefault(chunk.request_id, []).append((chunk.seq, record.offset))
+    begins = {rid: dict(chunks)[0] for rid, chunks in chunk_offsets.items()}
+    cut = {rid for rid, chunks in chunk_offsets.items() if begins[rid] < 1 <= max(o for _, o in chunks)}
+    whole = {rid for rid, offset in begins.items() if offset >= 1}
+    assert opening.request_id in cut and whole  # the case under test occurs: not a vacuous pass
     partial_file = tmp_path / "partial.jsonl"
     rc = await cli("replay", *kafka_args(settings), "--from", "1", "--out", str(partial_file))
     _, err = capsys.readouterr()
     assert rc == 0, err
-    skipped = int(err.split(" partial request(s) skipped")[0].rsplit(" ", 1)[1])
+    assert f" {len(cut)} partial request(s) skipped" in err
     partial: dict[str, list] = {}
     for line in partial_file.read_bytes().splitlines():
         entry = json.loads(line)
         partial.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
-    assert skipped >= 1 and 0 < len(partial) <= len(rids) - skipped
+    assert set(partial) == whole
     assert all(records == from_file[rid] for rid, records in partial.items())
