@@ -1,0 +1,43 @@
+"""The workers' command lines refuse out-of-range numbers with one usage line (no broker)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.cli import build_parser
+
+
+def parse(argv: list[str]):
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate-worker", "--max-batch", "0"], "argument --max-batch: must be at least 1, got 0"),
+    (["generate-worker", "--coalesce-max-tokens", "0"], "argument --coalesce-max-tokens: must be at least 1, got 0"),
+    (["generate-worker", "--coalesce-max-delay-ms", "nan"], "argument --coalesce-max-delay-ms: must be at least 0.0"),
+    (["generate-worker", "--prefill-chunk", "many"], "argument --prefill-chunk: expected an integer, got 'many'"),
+    (["derender-worker", "--commit-interval-ms", "0"], "argument --commit-interval-ms: must be at least 1.0, got 0"),
+    (["derender-worker", "--max-logprobs", "-2"], "argument --max-logprobs: must be at least -1, got -2"),
+])
+def test_out_of_range_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_environment_defaults_are_checked_like_flags(monkeypatch, capsys):
+    monkeypatch.setenv("GENPIPE_MAX_BATCH", "zero")
+    with pytest.raises(SystemExit):
+        parse(["generate-worker"])
+    assert "argument --max-batch: expected an integer, got 'zero'" in capsys.readouterr().err
+    monkeypatch.setenv("GENPIPE_MAX_BATCH", "8")
+    assert parse(["generate-worker"]).max_batch == 8
+
+
+def test_defaults_and_good_values_parse_to_numbers(monkeypatch):
+    for name in ("GENPIPE_MAX_BATCH", "GENPIPE_MAX_LOGPROBS"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse(["generate-worker", "--coalesce-max-tokens", "4", "--min-step-ms", "20"])
+    assert (args.max_batch, args.coalesce_max_tokens, args.min_step_ms, args.max_logprobs) == (32, 4, 20.0, 20)
+    assert parse(["derender-worker", "--max-logprobs", "-1"]).max_logprobs == -1
