@@ -21,8 +21,14 @@ import socket
 import uuid
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from workers.kafka.settings import KafkaSettings
+
+# Property tests keep their random examples, but a slow or busy machine (2 shared cores
+# in CI, a broker and workers running beside them) must not fail them for slowness.
+settings.register_profile("genpipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("genpipe")
 
 TEST_BROKER_PORT = int(os.environ.get("GENPIPE_TEST_BROKER_PORT", "19092"))
 # The default testcontainers image, in KRaft mode; override for a 4.x broker.

@@ -7,6 +7,8 @@ import time
 
 from aiokafka import AIOKafkaConsumer
 
+from schemas import GenerateChunk
+from workers.kafka.records import decode_message
 from workers.kafka.settings import KafkaSettings
 
 
@@ -27,6 +29,23 @@ async def read_topic(settings: KafkaSettings, topic: str, *, until, timeout: flo
     finally:
         await consumer.stop()
     return records
+
+
+def chunks_finished(request_ids):
+    """A `read_topic` condition on a chunk topic: each of `request_ids` has its final chunk
+    (one with a finish_reason). Counting records or keys instead would depend on how the
+    worker happened to group tokens into chunks."""
+    wanted, done, seen = set(request_ids), set(), 0
+
+    def check(records) -> bool:
+        nonlocal seen
+        for record in records[seen:]:
+            chunk = decode_message(record, GenerateChunk)
+            if chunk.finish_reason is not None:
+                done.add(chunk.request_id)
+        seen = len(records)
+        return wanted <= done
+    return check
 
 
 async def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from schemas import (Cancel, ChatCompletion, ChatCompletionChunk, ChatCompletionStreamChoice, Completion,
                      DeltaMessage, ErrorResponse, GenerateChunk, JSON, encode, headers_for)
-from tests.kafka_helpers import read_to_end, read_topic
+from tests.kafka_helpers import chunks_finished, read_to_end, read_topic
 from workers.cli import main
 from workers.client import (AttemptFilter, GenpipeClient, GenpipeError, GenpipeTimeout, Restart, assemble,
                             load_tokenizer, make_request, render_chat, render_prompt)
@@ -80,12 +80,7 @@ async def create_topic(settings, name: str, partitions: int = 2) -> None:
 async def sampled_chunks(settings, request_ids) -> dict[str, list[GenerateChunk]]:
     """Every request's chunks from the chunk topic, once each has its final chunk."""
     wanted = set(request_ids)
-
-    def done(records) -> bool:
-        finished = {c.request_id for c in map(_chunk, records) if c.finish_reason is not None}
-        return wanted <= finished
-
-    records = await read_topic(settings, settings.topic("chunks"), until=done, timeout=120)
+    records = await read_topic(settings, settings.topic("chunks"), until=chunks_finished(wanted), timeout=120)
     out: dict[str, list[GenerateChunk]] = {}
     for chunk in map(_chunk, records):
         if chunk.request_id in wanted:

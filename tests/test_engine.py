@@ -513,5 +513,7 @@ async def test_engine_thread_paces_steps_and_keeps_the_tokens(make_engine, promp
     finally:
         thread.stop()
     assert [t for o in outputs for t in o.token_ids] == hf_greedy(prompts[0], 6)
-    # six steps, five full pauses between them (a lower bound: never flaky on a slow box)
-    assert elapsed >= 5 * 0.04, elapsed
+    # six steps, five pauses between them; a lower bound, never flaky on a slow box. One
+    # pause may be cut short: the add's own wake can land after the first step began (a new
+    # request ends a pause), hence four.
+    assert elapsed >= 4 * 0.04, elapsed

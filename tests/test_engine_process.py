@@ -54,7 +54,9 @@ def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir
             expected.setdefault(out.request_id, []).extend(out.token_ids)
 
     got = Collector()
-    engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=4), got)
+    # Paced (20 ms a step): "long" needs ~40 s to reach the context length, so the abort
+    # lands while it runs even on a starved machine.
+    engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=4), got, min_step_s=0.02)
     engine.start()
     try:
         assert engine.limits == {"max_logprobs": 20, "vocab_size": alone.vocab_size,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import chunks_finished, read_topic
 from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
@@ -31,17 +31,6 @@ def chunks_by_request(records) -> dict[str, list[GenerateChunk]]:
         assert record.key.decode() == chunk.request_id
         chunks.setdefault(chunk.request_id, []).append(chunk)
     return chunks
-
-
-def finished(expected: set[str]):
-    def check(records) -> bool:
-        done = set()
-        for record in records:
-            chunk = decode_message(record, GenerateChunk)
-            if chunk.finish_reason is not None:
-                done.add(chunk.request_id)
-        return expected <= done
-    return check
 
 
 async def produce(settings, records: list[tuple[bytes | None, bytes, list]], partitions: int | None = None):
@@ -85,7 +74,7 @@ async def test_fifty_concurrent_requests_stream_ordered_chunks_equal_to_the_engi
     try:
         await produce(kafka_settings, [request_record(r) for r in requests], partitions=4)
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
-                                   until=finished({r.request_id for r in requests}), timeout=180)
+                                   until=chunks_finished({r.request_id for r in requests}), timeout=180)
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
@@ -139,7 +128,7 @@ async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
     try:
         await produce(kafka_settings, [request_record(r) for r in requests])
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
-                                   until=finished({r.request_id for r in requests}))
+                                   until=chunks_finished({r.request_id for r in requests}))
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
@@ -173,7 +162,7 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
             (b"bad-type", mistyped, [("content-type", b"application/json")]),
             request_record(good)])
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
-                                   until=finished({"bad-logprobs", "bad-vocab", "bad-type", "good"}))
+                                   until=chunks_finished({"bad-logprobs", "bad-vocab", "bad-type", "good"}))
         dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 1)
     finally:
         stop.set()
@@ -207,7 +196,7 @@ async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_
         cancel = Cancel(request_id="long")
         await producer.send_and_wait(kafka_settings.topic("cancel"), encode(cancel), key=b"long", headers=headers_for(cancel))
         await producer.stop()
-        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=finished({"long", "late"}))
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"long", "late"}))
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
@@ -226,7 +215,7 @@ async def test_stop_finishes_in_flight_requests_within_the_grace_period(kafka_se
                      until=lambda rs: any(decode_message(r, GenerateChunk).request_id == "drain" for r in rs))
     stop.set()  # SIGTERM: take nothing new, finish what runs
     assert await asyncio.wait_for(task, 90) == 0
-    records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=finished({"drain"}))
+    records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"drain"}))
     chunks = chunks_by_request(records)["drain"]
     assert chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 120
