@@ -8,10 +8,11 @@ import random
 import pytest
 from aiokafka import TopicPartition
 
-from schemas import JSON, OutputOptions, encode, headers_for
+from schemas import JSON, Cancel, ChatCompletionChunk, ErrorResponse, OutputOptions, encode, headers_for
 from schemas.openai import OpenAIResult
 from tests.derender_support import make_chunks, position
 from tests.kafka_helpers import read_topic
+from workers.client import decode_result
 from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 from workers.derender.state import Derenderer, Result
 from workers.derender.worker import parse_published
@@ -165,3 +166,67 @@ async def test_restart_mid_stream_completes_every_request_without_republishing(k
         assert len(entries) == len(set(entries)), f"{rid}: a result was published twice"
     assert got == expected
     assert len(records) >= len(before)
+
+
+async def test_results_over_the_record_size_limit_become_error_results_and_nothing_is_held(
+        kafka_settings, make_topics, tiny_model_dir):
+    # 4,000 bytes: a non-streamed answer of 120 tokens with 5 logprobs each (8.6 kB of JSON)
+    # does not fit, nor does a streamed chat result for a chunk of 40 such tokens (11 kB),
+    # while one for a single token does (0.5 kB). Kafka's
+    # default limit is 1 MiB: a long non-streamed answer with top_logprobs=20 exceeds it.
+    await make_topics(kafka_settings, partitions=1)
+    vocab = Derenderer(str(tiny_model_dir)).tables.size
+    ids = [100 + (7 * i) % 900 for i in range(120)]
+    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    assert max(ids) + 4 < vocab
+    whole = make_chunks("whole", ids, [4] * 30, positions=logprobs, prompt_tail=[1, 5],
+                        output=OutputOptions(kind="completion", stream=False, top_logprobs=5))
+    streamed = make_chunks("streamed", ids[:43], [1, 40, 1, 1], positions=logprobs[:43], prompt_tail=[1, 5],
+                           output=OutputOptions(kind="chat", stream=True, top_logprobs=5))
+    small = make_chunks("small", ids[:3], [1, 2], prompt_tail=[1, 5], output=OutputOptions(kind="completion"))
+    chunks = whole + streamed + small
+    expected_small = expected_results(tiny_model_dir, {"small": small})["small"]
+
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.ensure_future(run_derender_worker(
+        kafka_settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{kafka_settings.topic_prefix}-der",
+                                             max_record_bytes=4000),
+        stop=stop, on_ready=ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 60)
+        await produce_chunks(kafka_settings, chunks, {"whole": 0, "streamed": 0, "small": 0})
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"),
+                                   until=all_final({"whole", "streamed", "small"}))
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    assert all(len(r.value) <= 4000 for r in records)
+    got, keys = {}, {}
+    for record in records:
+        headers = dict(record.headers)
+        rid = record.key.decode()
+        got.setdefault(rid, []).append(decode_result(record.value, record.headers))
+        keys.setdefault(rid, []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
+                                         HEADER_FINAL in headers))
+    (error,) = got["whole"]  # in place of the final answer, with its headers
+    assert isinstance(error, ErrorResponse) and error.error.type == "invalid_request_error"
+    assert error.error.message.startswith("derender: result too large: ")
+    assert "over the record size limit of 4000 bytes" in error.error.message
+    assert keys["whole"] == [("a1", 29, True)]
+    # streamed: the first chunk's result went out; the second's is an error that ends the
+    # request, generate is asked to stop, and the chunks after it are ignored
+    assert [seq for _, seq, _ in keys["streamed"]] == [0, 1] and keys["streamed"][-1][2]
+    assert isinstance(got["streamed"][0], ChatCompletionChunk)
+    assert got["streamed"][1].error.message.startswith("derender: result too large: ")
+    assert [(c.key, decode_record(c.value, c.headers, Cancel).request_id) for c in cancels] == [(b"streamed", "streamed")]
+    assert got["small"] == expected_small
+    # nothing held: the group committed past every chunk
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(f"{kafka_settings.topic_prefix}-der", partitions=[tp])
+    finally:
+        await admin.close()
+    assert committed[tp].offset == len(chunks)

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from aiokafka import TopicPartition
 
 from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
 from tests.kafka_helpers import chunks_finished, read_topic
@@ -13,7 +14,7 @@ from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 from workers.generate.worker import ChunkPolicy
-from workers.kafka.clients import make_producer
+from workers.kafka.clients import make_admin, make_producer
 from workers.kafka.records import HEADER_DLQ_OFFSET, decode_message
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -145,6 +146,60 @@ async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
         if request.sampling.logprobs is not None:
             for c in got:
                 assert [e.token_id for e in c.logprobs.content] == c.token_ids
+
+
+async def committed_offset(settings, group: str, tp: TopicPartition) -> int | None:
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group, partitions=[tp])
+    finally:
+        await admin.close()
+    return committed[tp].offset if tp in committed else None
+
+
+async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_with_an_error(
+        kafka_settings, make_topics, engine, tiny_model_dir):
+    # 2,500 bytes: a few tokens with top-20 logprobs (~770 bytes each) fit, twelve do not;
+    # the logprobs of a 200-token prompt (~45 kB) cannot fit at all. Kafka's default limit
+    # is 1 MiB: a real deployment meets this with long prompts and many logprobs.
+    limit = 2500
+    await make_topics(kafka_settings, partitions=1)
+    many = GenerateRequest(request_id="many-logprobs", prompt_token_ids=[1, 40, 41],
+                           sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=20))
+    prompt = GenerateRequest(request_id="prompt-logprobs", prompt_token_ids=[1] + [10 + i for i in range(200)],
+                             sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
+    plain = GenerateRequest(request_id="plain", prompt_token_ids=[1, 40, 41],
+                            sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+    requests = [many, prompt, plain]
+    reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), [many, plain])
+    group = f"{kafka_settings.topic_prefix}-gen"
+    # every token piles up until the final chunk: the cut to the size limit is certain
+    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=16),
+                                    max_record_bytes=limit)
+    try:
+        await produce(kafka_settings, [request_record(r) for r in requests])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished(r.request_id for r in requests))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    for record in records:
+        assert len(record.value) + len(record.key) + sum(len(k) + len(v) for k, v in record.headers) <= limit
+    chunks = chunks_by_request(records)
+    got = chunks["many-logprobs"]
+    assert len(got) >= 4 and all(len(c.token_ids) < 12 for c in got)  # cut below max_tokens (16)
+    assert [t for c in got for t in c.token_ids] == reference["many-logprobs"]
+    assert [e.token_id for c in got for e in c.logprobs.content] == reference["many-logprobs"]
+    assert got[-1].finish_reason == "length"
+    (error,) = chunks["prompt-logprobs"]
+    assert error.finish_reason == "error" and error.token_ids == [] and error.prompt_logprobs is None
+    assert error.error.message.startswith("chunk too large: the prompt's logprobs encode to ")
+    assert "over the record size limit of 2500 bytes" in error.error.message
+    assert error.output == prompt.output and error.prompt_token_count == 201  # seq 0's fields, for derender
+    assert [t for c in chunks["plain"] for t in c.token_ids] == reference["plain"]
+    # nothing held: the group committed past all three requests
+    assert await committed_offset(kafka_settings, group, TopicPartition(kafka_settings.topic("requests"), 0)) == 3
 
 
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):

@@ -47,6 +47,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="seconds to finish in-flight work after SIGTERM")
     parser.add_argument("--commit-interval-ms", type=_at_least(1.0, float), default=500.0,
                         help="how often finished work is committed (default %(default)s ms)")
+    parser.add_argument("--max-record-bytes", type=_at_least(1024),
+                        default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", "1000000"),
+                        help="largest record to publish (env GENPIPE_MAX_RECORD_BYTES; default "
+                             "%(default)s, under Kafka's default 1 MiB limit). A chunk or result that "
+                             "would be larger is cut or, when it cannot be, replaced by an error for its "
+                             "request. Raise it only together with the broker's message.max.bytes.")
     parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
 
 
@@ -66,7 +72,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         group_id=args.group_id or f"{settings.topic_prefix}-generate",
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
-        engine_in=args.engine_in, threads=args.threads,
+        engine_in=args.engine_in, threads=args.threads, max_record_bytes=args.max_record_bytes,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
@@ -80,7 +86,7 @@ def _run_derender(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
         group_id=args.group_id or f"{settings.topic_prefix}-derender",
         grace_s=args.grace_period if args.grace_period is not None else 10.0,
-        commit_interval_s=args.commit_interval_ms / 1000)
+        commit_interval_s=args.commit_interval_ms / 1000, max_record_bytes=args.max_record_bytes)
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 
 

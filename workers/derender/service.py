@@ -8,6 +8,7 @@ from typing import Callable
 
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.derender.worker import DerenderHandler
+from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
 
@@ -20,6 +21,7 @@ class DerenderWorkerConfig:
     group_id: str = "genpipe-derender"
     grace_s: float = 10.0
     commit_interval_s: float = 0.5
+    max_record_bytes: int = MAX_RECORD_BYTES  # largest result record published (see publisher)
 
 
 def load_derenderer(config: DerenderWorkerConfig):
@@ -40,4 +42,5 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
 
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,
-                       worker="derender", loop_options={"commit_interval_s": config.commit_interval_s})
+                       worker="derender", loop_options={"commit_interval_s": config.commit_interval_s},
+                       max_record_bytes=config.max_record_bytes)

@@ -128,6 +128,19 @@ class Derenderer:
         self._active.clear()
         self._finished.clear()
 
+    def fail(self, result: Result, message: str, kind: str = "server_error", code: int = 500) -> list[Output]:
+        """`result` cannot be delivered (the Kafka layer found it over the record size
+        limit): an error result in its place ends the request (same attempt and seq
+        headers, final), and generate is asked to stop if the request was still running."""
+        rid = result.request_id
+        self.stats.rule_errors += 1
+        value = shaping.error_response(f"derender: {message}", kind, code)
+        out: list[Output] = [Result(rid, result.reply_topic, value, {**result.headers, H_FINAL: "1"}, True)]
+        if not result.final:
+            self._mark_finished(rid)
+            out.append(CancelRequest(rid, f"derender error: {message}"))
+        return out
+
     # --- the state machine -----------------------------------------------------------
     def process(self, chunk: GenerateChunk) -> list[Output]:
         self.stats.chunks += 1
@@ -310,12 +323,15 @@ class Derenderer:
 
     def _finish(self, req: _Request | None, rid: str, chunk: GenerateChunk, value) -> Result:
         result = self._result(req, rid, chunk, value, True)
+        self._mark_finished(rid)
+        return result
+
+    def _mark_finished(self, rid: str) -> None:
         self._active.pop(rid, None)
         finished = self._finished
         finished[rid] = None
         if len(finished) > self.finished_memory:
             del finished[next(iter(finished))]
-        return result
 
     def _fail(self, rid: str, req: _Request | None, chunk: GenerateChunk, message: str) -> list[Output]:
         self.stats.rule_errors += 1

@@ -18,7 +18,7 @@ import time
 from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
-from workers.derender.state import CancelRequest, Derenderer
+from workers.derender.state import CancelRequest, Derenderer, Result
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.offsets import OffsetTracker
 from workers.kafka.publisher import Publisher
@@ -73,7 +73,7 @@ class DerenderHandler:
         series(CHUNKS, W).inc()
         series(TOKENS, W).inc(len(chunk.token_ids))
         rid = chunk.request_id
-        outputs = self.derenderer.process(chunk)
+        records = self._records(self.derenderer.process(chunk), tp)
         if rid not in self.request_start and self.derenderer.is_active(rid):
             self.request_start[rid] = (tp, message.offset)
             offsets.hold(message.offset)  # pins the commit until the request is finished
@@ -84,11 +84,15 @@ class DerenderHandler:
                 self._finish(rid, None)
             return
         last_future = None
-        if outputs:
+        if records:
             published.hold(message.offset)
-        for output in outputs:
-            last_future = await self.publisher.publish(self._outgoing(output, tp))
-        if outputs and chunk.sampled_at_ns:
+        for record in records:
+            if record.topic != self.cancel_topic:
+                series(RESULTS, W).inc()
+                if isinstance(record.value, ErrorResponse):
+                    series(ERRORS, W).inc()
+            last_future = await self.publisher.publish(record)
+        if records and chunk.sampled_at_ns:
             series(DERENDER_LATENCY, W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
         if last_future is not None:
             last_future.add_done_callback(lambda f: self._acked(tp, message.offset, f))
@@ -96,13 +100,30 @@ class DerenderHandler:
             self._finish(rid, last_future)
         series(IN_FLIGHT, W).set(len(self.request_start))
 
+    def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:
+        """The derenderer's outputs as records. A result over the record size limit (a
+        long non-streamed answer with many logprobs) would be refused by the broker and
+        its request left unanswered and uncommitted: an error result that ends the
+        request goes instead. Checked on replays too, so state is rebuilt the same way."""
+        records = []
+        for output in outputs:
+            record = self._outgoing(output, tp)
+            if isinstance(output, Result) and not self.publisher.fits(record):
+                message = (f"result too large: {record.size()} bytes, over the record size limit of "
+                           f"{self.publisher.max_record_bytes} bytes; ask for fewer logprobs, or stream "
+                           f"the response (each streamed result holds one chunk's tokens)")
+                log.warning("request %s: %s", output.request_id, message)
+                # the request asked for more than a record holds: the client's to change
+                failed = self.derenderer.fail(output, message, "invalid_request_error", 400)
+                records.extend(self._outgoing(o, tp) for o in failed)
+            else:
+                records.append(record)
+        return records
+
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):
             return Outgoing(self.cancel_topic, output.request_id,
                             Cancel(request_id=output.request_id, reason=output.reason), MSGPACK)
-        series(RESULTS, W).inc()
-        if output.final and isinstance(output.value, ErrorResponse):
-            series(ERRORS, W).inc()
         # The default results topic shares the chunk topic's partition count: keep the
         # request on its partition number. A reply topic may have fewer (the publisher
         # then falls back to key hashing).

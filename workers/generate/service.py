@@ -14,6 +14,7 @@ from workers.generate.engine_thread import EngineThread
 from workers.generate.worker import W, ChunkPolicy, GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
+from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
 from workers.metrics import BATCH_SIZE, STEP_TIME, series
@@ -38,6 +39,7 @@ class GenerateWorkerConfig:
     min_step_s: float = 0.0  # pace engine steps (simulates a bigger model; see EngineThread)
     engine_in: str = "process"  # "process": a child process (see engine_process); "thread": this one
     threads: int = 0  # torch CPU threads of the engine (0: torch's default)
+    max_record_bytes: int = MAX_RECORD_BYTES  # largest chunk record published (see publisher)
 
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
@@ -108,6 +110,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
         return await serve(settings, topic=settings.topic("requests"), group_id=config.group_id,
                            make_handler=make_handler, stop=stop, grace_s=config.grace_s,
                            background=background, on_ready=on_ready, worker=W,
-                           loop_options={"commit_interval_s": config.commit_interval_s})
+                           loop_options={"commit_interval_s": config.commit_interval_s},
+                           max_record_bytes=config.max_record_bytes)
     finally:
         holder["engine"].stop()

@@ -188,16 +188,16 @@ class GenerateHandler:
                 if finish_reason != "error":  # errors were counted as "invalid" when rejected
                     series(REQUESTS, W, finish_reason).inc()
                 state.closed = True
-                chunks = self._take_chunks(state, finish_reason, error=error, stop_token_id=stop_token_id)
-                records.extend(self._outgoing(state, chunk) for chunk in chunks)
-                owners.extend([None] * (len(chunks) - 1) + [state])  # the final chunk's ack releases
+                taken = self._take_records(state, finish_reason, error=error, stop_token_id=stop_token_id)
+                records.extend(taken)
+                owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
             now = time.monotonic()
             for state in list(self.inflight.values()):
                 if not state.closed and self.policy.should_flush(
                         len(state.pending_ids), now - state.pending_since, self.publisher.in_flight):
-                    chunks = self._take_chunks(state)
-                    records.extend(self._outgoing(state, chunk) for chunk in chunks)
-                    owners.extend([None] * len(chunks))
+                    taken = self._take_records(state)
+                    records.extend(taken)  # the last one is final if the request just failed
+                    owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:
@@ -206,37 +206,76 @@ class GenerateHandler:
     async def _flush_ready(self) -> None:
         await self._publish_step([])
 
-    def _take_chunks(self, state: InFlight, finish_reason=None, **extra) -> list[GenerateChunk]:
-        """All of the request's pending tokens, as chunks of at most `policy.max_tokens`; the
-        last one carries `finish_reason`. Tokens pile up past the bound while a publish is
-        under way (steps keep coming); cutting here keeps every chunk bounded (SPEC §4), and
-        with it a long request's logprobs below the broker's message size limit."""
+    def _take_records(self, state: InFlight, finish_reason=None, **extra) -> list[Outgoing]:
+        """All of the request's pending tokens as chunk records; the last carries
+        `finish_reason`. A chunk holds at most `policy.max_tokens` tokens: they pile up
+        past that while a publish is under way (steps keep coming), and are cut here
+        (SPEC §4). A chunk over the publisher's record size limit (many logprobs) is cut
+        smaller; one that cannot be (a single token's, or the prompt's logprobs) ends the
+        request with an error chunk, which the broker would otherwise refuse after the
+        work was done, leaving the request unanswered and its offset held for good."""
         size = max(1, self.policy.max_tokens)
-        chunks = []
-        while len(state.pending_ids) > size:
-            chunks.append(self._take_chunk(state, size))
-        chunks.append(self._take_chunk(state, len(state.pending_ids), finish_reason, **extra))
-        return chunks
+        records = []
+        while True:
+            count = min(size, len(state.pending_ids))
+            while True:
+                last = count == len(state.pending_ids)
+                record = self._outgoing(state, self._chunk(state, count, finish_reason if last else None,
+                                                           **(extra if last else {})))
+                if count <= 1 or self.publisher.fits(record):
+                    break
+                count //= 2
+            if not self.publisher.fits(record):
+                records.append(self._too_large(state, record.size()))
+                return records
+            self._advance(state, count)
+            records.append(record)
+            if last:
+                return records
 
-    def _take_chunk(self, state: InFlight, count: int, finish_reason=None, **extra) -> GenerateChunk:
-        """The first `count` pending tokens as the request's next chunk."""
+    def _chunk(self, state: InFlight, count: int, finish_reason=None, **extra) -> GenerateChunk:
+        """The first `count` pending tokens as the request's next chunk (state unchanged)."""
         request = state.request
-        token_ids, state.pending_ids = state.pending_ids[:count], state.pending_ids[count:]
-        rows, state.pending_logprobs = state.pending_logprobs[:count], state.pending_logprobs[count:]
+        token_ids = state.pending_ids[:count]
         chunk = GenerateChunk(
             request_id=request.request_id, attempt=state.attempt, seq=state.seq,
             token_offset=state.token_offset, token_ids=token_ids,
-            logprobs=(GenerateLogProbs(content=[row.content() for row in rows])
+            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
                       if request.sampling.logprobs is not None and token_ids else None),
             finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
         if state.seq == 0:
             for name, value in first_chunk_fields(request, state.prompt_logprobs).items():
                 setattr(chunk, name, value)
-        series(CHUNKS, W).inc()
-        series(TOKENS, W).inc(len(token_ids))
-        state.seq += 1
-        state.token_offset += len(token_ids)
         return chunk
+
+    def _advance(self, state: InFlight, count: int) -> None:
+        """The chunk of the first `count` pending tokens is taken: number the next one."""
+        series(CHUNKS, W).inc()
+        series(TOKENS, W).inc(count)
+        state.seq += 1
+        state.token_offset += count
+        del state.pending_ids[:count], state.pending_logprobs[:count]
+
+    def _too_large(self, state: InFlight, size: int) -> Outgoing:
+        """End the request: its next chunk cannot be published. The error chunk instead."""
+        rid = state.request.request_id
+        what = "the prompt's logprobs" if state.seq == 0 and state.prompt_logprobs else "one token's logprobs"
+        message = (f"chunk too large: {what} encode to {size} bytes, over the record size limit of "
+                   f"{self.publisher.max_record_bytes} bytes; ask for fewer logprobs (or raise the "
+                   f"workers' --max-record-bytes together with the broker's message.max.bytes)")
+        log.warning("request %s: %s", rid, message)
+        series(ERRORS, W).inc()
+        if not state.closed:  # still generating: stop it (its abort output finds no state)
+            state.closed = True
+            del self.inflight[rid]
+            self.engine.abort(rid, "abort")
+            series(IN_FLIGHT, W).set(len(self.inflight))
+            if not self.inflight:
+                self._idle.set()
+        state.pending_ids, state.pending_logprobs, state.prompt_logprobs = [], [], None
+        chunk = self._chunk(state, 0, "error", error=ChunkError(message=message))
+        self._advance(state, 0)
+        return self._outgoing(state, chunk)
 
     def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
         # Same partition number as the request: one request's records stay on one

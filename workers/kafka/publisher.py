@@ -17,15 +17,26 @@ from workers.kafka.records import Outgoing, dlq_headers
 
 log = logging.getLogger(__name__)
 
+# The largest record a worker publishes (value, key and headers). Kafka's defaults refuse
+# a record batch over ~1 MiB (broker message.max.bytes, producer max.request.size); this
+# leaves room for the batch's own framing. A record over it would be refused by the
+# broker after the work was done, and its request would never finish: workers check
+# `fits()` first and publish something smaller (a cut chunk, an error) instead.
+MAX_RECORD_BYTES = 1_000_000
+
 
 class Publisher:
-    def __init__(self, producer: AIOKafkaProducer, dlq_topic: str):
+    def __init__(self, producer: AIOKafkaProducer, dlq_topic: str, max_record_bytes: int = MAX_RECORD_BYTES):
         self.producer = producer
         self.dlq_topic = dlq_topic
+        self.max_record_bytes = max_record_bytes
         self.in_flight = 0
         self.published = 0
         self.failed = 0
         self._partitions: dict[str, int] = {}
+
+    def fits(self, record: Outgoing) -> bool:
+        return record.size() <= self.max_record_bytes
 
     async def partition_count(self, topic: str) -> int:
         count = self._partitions.get(topic)

@@ -25,7 +25,8 @@ HEADER_DLQ_TIME = "genpipe-dlq-time-ms"
 
 @dataclass
 class Outgoing:
-    """One record to publish: the value is a schemas Struct, encoded at send time."""
+    """One record to publish: the value is a schemas Struct, encoded once, when first
+    needed (sizing it for the record limit, or sending it)."""
 
     topic: str
     key: str
@@ -33,13 +34,21 @@ class Outgoing:
     content_type: str = MSGPACK
     headers: dict[str, str] = field(default_factory=dict)
     partition: int | None = None  # None: the producer's key hashing decides
+    _encoded: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def kafka_headers(self) -> Headers:
         extra = [(name, str(value).encode()) for name, value in self.headers.items()]
         return headers_for(self.value, self.content_type, extra)
 
     def kafka_value(self) -> bytes:
-        return encode(self.value, self.content_type)
+        if self._encoded is None:
+            self._encoded = encode(self.value, self.content_type)
+        return self._encoded
+
+    def size(self) -> int:
+        """Bytes of value, key and headers: what counts against the record size limit."""
+        return (len(self.kafka_value()) + len(self.key.encode())
+                + sum(len(name) + len(value) for name, value in self.kafka_headers()))
 
 
 def decode_message(message, record_type: Any) -> Any:

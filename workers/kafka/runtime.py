@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from workers.kafka.clients import make_producer
 from workers.kafka.loop import ConsumerLoop, Handler
-from workers.kafka.publisher import Publisher
+from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher
 from workers.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,8 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 stop: asyncio.Event | None = None, grace_s: float = 30.0,
                 background: Callable[[Publisher, ConsumerLoop, asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
-                on_ready: Callable[[], None] | None = None, worker: str = "worker") -> int:
+                on_ready: Callable[[], None] | None = None, worker: str = "worker",
+                max_record_bytes: int = MAX_RECORD_BYTES) -> int:
     """Run one worker until `stop` is set; return an exit code.
 
     Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
@@ -43,9 +44,11 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread: nothing to install
 
-    producer = make_producer(settings, **(producer_overrides or {}))
+    # The producer's own request limit must not refuse what `max_record_bytes` allows.
+    overrides = {"max_request_size": max(1 << 20, max_record_bytes + (64 << 10)), **(producer_overrides or {})}
+    producer = make_producer(settings, **overrides)
     await producer.start()
-    publisher = Publisher(producer, settings.topic("dlq"))
+    publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
     consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
     consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
     tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]
