@@ -25,8 +25,9 @@ HEADER_DLQ_TIME = "genpipe-dlq-time-ms"
 
 @dataclass
 class Outgoing:
-    """One record to publish: the value is a schemas Struct, encoded once, when first
-    needed (sizing it for the record limit, or sending it)."""
+    """One record to publish: the value is a schemas Struct, encoded (with its headers)
+    once, when first needed: sizing it for the record limit, or sending it. Build a new
+    Outgoing rather than change one."""
 
     topic: str
     key: str
@@ -35,10 +36,13 @@ class Outgoing:
     headers: dict[str, str] = field(default_factory=dict)
     partition: int | None = None  # None: the producer's key hashing decides
     _encoded: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _headers: Headers | None = field(default=None, init=False, repr=False, compare=False)
 
     def kafka_headers(self) -> Headers:
-        extra = [(name, str(value).encode()) for name, value in self.headers.items()]
-        return headers_for(self.value, self.content_type, extra)
+        if self._headers is None:
+            extra = [(name, str(value).encode()) for name, value in self.headers.items()]
+            self._headers = headers_for(self.value, self.content_type, extra)
+        return self._headers
 
     def kafka_value(self) -> bytes:
         if self._encoded is None:
