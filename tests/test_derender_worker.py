@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -11,12 +12,13 @@ from aiokafka import TopicPartition
 from schemas import JSON, Cancel, ChatCompletionChunk, ErrorResponse, OutputOptions, encode, headers_for
 from schemas.openai import OpenAIResult
 from tests.derender_support import make_chunks, position
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import committed_offsets, read_topic
+from workers.cli import main
 from workers.client import decode_result
 from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 from workers.derender.state import Derenderer, Result
 from workers.derender.worker import parse_published
-from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.clients import make_producer
 from workers.kafka.records import HEADER_ATTEMPT, HEADER_FINAL, HEADER_SEQ
 from schemas import decode_record
 
@@ -143,12 +145,7 @@ async def test_restart_mid_stream_completes_every_request_without_republishing(k
 
     group = f"{kafka_settings.topic_prefix}-der"
     tps = [TopicPartition(kafka_settings.topic("chunks"), p) for p in range(PARTITIONS)]
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
-    finally:
-        await admin.close()
+    committed = await committed_offsets(kafka_settings, group, tps)
     open_requests = set(requests) - first_half_finals
     # unfinished requests pin the commit, and the metadata says how far results went out
     assert any(committed[tp].offset < parse_published(committed[tp].metadata) for tp in tps) or not open_requests
@@ -169,7 +166,7 @@ async def test_restart_mid_stream_completes_every_request_without_republishing(k
 
 
 async def test_results_over_the_record_size_limit_become_error_results_and_nothing_is_held(
-        kafka_settings, make_topics, tiny_model_dir):
+        kafka_settings, make_topics, tiny_model_dir, tmp_path):
     # 4,000 bytes: a non-streamed answer of 120 tokens with 5 logprobs each (8.6 kB of JSON)
     # does not fit, nor does a streamed chat result for a chunk of 40 such tokens (11 kB),
     # while one for a single token does (0.5 kB). Kafka's
@@ -223,10 +220,15 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
     assert got["small"] == expected_small
     # nothing held: the group committed past every chunk
     tp = TopicPartition(kafka_settings.topic("chunks"), 0)
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(f"{kafka_settings.topic_prefix}-der", partitions=[tp])
-    finally:
-        await admin.close()
+    committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", [tp])
     assert committed[tp].offset == len(chunks)
+
+    # a replay with the workers' limit reproduces those records, the errors included
+    out_file = tmp_path / "replayed.jsonl"
+    rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", kafka_settings.bootstrap_servers,
+                                        "--topic-prefix", kafka_settings.topic_prefix, "--from", "0",
+                                        "--tokenizer", str(tiny_model_dir), "--max-record-bytes", "4000",
+                                        "--out", str(out_file)])
+    assert rc == 0
+    replayed = [json.loads(line) for line in out_file.read_bytes().splitlines()]
+    assert [(r["key"], r["value"]) for r in replayed] == [(r.key.decode(), json.loads(r.value)) for r in records]

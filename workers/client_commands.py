@@ -7,9 +7,11 @@ functions so that `genpipe --help` starts fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from workers.derender.commands import add_derender_options
+from workers.worker_commands import at_least
 
 _SUBMIT_EPILOG = """\
 examples:
@@ -441,6 +443,10 @@ def _add_replay(subparsers) -> None:
     target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
     p.add_argument("--chunks-topic", type=_topic_arg, default=None, metavar="TOPIC",
                    help="topic to read (default: <prefix>.chunks)")
+    p.add_argument("--max-record-bytes", type=at_least(1024),
+                   default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", "1000000"),
+                   help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
+                        "%(default)s): a result over it becomes the same error result the worker published")
     add_derender_options(p)
     _kafka_arguments(p)
     p.set_defaults(func=run_replay)
@@ -524,8 +530,9 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
     from schemas import JSON, GenerateChunk, RecordError
     from workers.derender.filemode import result_line
     from workers.derender.state import Result
+    from workers.derender.worker import within_record_limit
     from workers.kafka.clients import make_consumer, make_producer
-    from workers.kafka.publisher import Publisher
+    from workers.kafka.publisher import Publisher, request_size_for
     from workers.kafka.records import Outgoing, decode_message
     from workers.kafka.settings import KafkaSettings
 
@@ -565,9 +572,9 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
 
         publisher = None
         if args.to_topic is not None:
-            producer = make_producer(settings)
+            producer = make_producer(settings, max_request_size=request_size_for(args.max_record_bytes))
             await producer.start()
-            publisher = Publisher(producer, settings.topic("dlq"))
+            publisher = Publisher(producer, settings.topic("dlq"), args.max_record_bytes)
         skipped: set[str] = set()
         failures: list = []
         last_progress = time.monotonic()
@@ -597,14 +604,19 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                     if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
                         skipped.add(rid)  # began before the range: cannot be rebuilt
                         continue
-                    for output in derenderer.process(chunk):
+                    def to_record(output, partition=tp.partition) -> Outgoing:
+                        if not isinstance(output, Result):  # a cancel: never published here
+                            return Outgoing(settings.topic("cancel"), output.request_id, None)  # unused
+                        return Outgoing(args.to_topic or "", output.request_id, output.value, JSON,
+                                        headers=output.headers, partition=partition)
+
+                    for output, record in within_record_limit(derenderer, derenderer.process(chunk),
+                                                              to_record, args.max_record_bytes):
                         if not isinstance(output, Result):
                             continue  # a stop-string cancel: the live pipeline sent it already
                         summary["results"] += 1
                         if publisher is not None:
-                            future = await publisher.publish(Outgoing(
-                                args.to_topic, output.request_id, output.value, JSON,
-                                headers=output.headers, partition=tp.partition))
+                            future = await publisher.publish(record)
                             future.add_done_callback(lambda f: failures.append(f.exception())
                                                      if not f.cancelled() and f.exception() else None)
                         else:

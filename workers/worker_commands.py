@@ -11,7 +11,7 @@ import sys
 from workers.kafka.settings import KafkaSettings
 
 
-def _at_least(minimum, kind=int):
+def at_least(minimum, kind=int):
     """An argparse type: a number of `kind` no smaller than `minimum`, so a bad flag is a
     one-line usage error rather than a traceback from deep inside the worker. Defaults
     from the environment are given as strings, so argparse checks them the same way."""
@@ -37,17 +37,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-id", default=os.environ.get("GENPIPE_GROUP_ID"),
                         help="consumer group (env GENPIPE_GROUP_ID; default <topic-prefix>-generate / "
                              "<topic-prefix>-derender, so deployments with different prefixes never share a group)")
-    parser.add_argument("--metrics-port", type=_at_least(0), default=os.environ.get("GENPIPE_METRICS_PORT", "0"),
+    parser.add_argument("--metrics-port", type=at_least(0), default=os.environ.get("GENPIPE_METRICS_PORT", "0"),
                         help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
-    parser.add_argument("--max-logprobs", type=_at_least(-1), default=os.environ.get("GENPIPE_MAX_LOGPROBS", "20"),
+    parser.add_argument("--max-logprobs", type=at_least(-1), default=os.environ.get("GENPIPE_MAX_LOGPROBS", "20"),
                         help="largest logprobs/top_logprobs a request may ask for; -1 = no cap "
                              "(env GENPIPE_MAX_LOGPROBS; default %(default)s). Use the same value "
                              "for both workers.")
-    parser.add_argument("--grace-period", type=_at_least(0.0, float), default=None,
+    parser.add_argument("--grace-period", type=at_least(0.0, float), default=None,
                         help="seconds to finish in-flight work after SIGTERM")
-    parser.add_argument("--commit-interval-ms", type=_at_least(1.0, float), default=500.0,
+    parser.add_argument("--commit-interval-ms", type=at_least(1.0, float), default=500.0,
                         help="how often finished work is committed (default %(default)s ms)")
-    parser.add_argument("--max-record-bytes", type=_at_least(1024),
+    parser.add_argument("--max-record-bytes", type=at_least(1024),
                         default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", "1000000"),
                         help="largest record to publish (env GENPIPE_MAX_RECORD_BYTES; default "
                              "%(default)s, under Kafka's default 1 MiB limit). A chunk or result that "
@@ -129,26 +129,26 @@ def register(sub) -> None:
     gen.add_argument("--device", default=os.environ.get("GENPIPE_DEVICE", "cpu"), help="cpu or cuda (default %(default)s)")
     gen.add_argument("--dtype", default=os.environ.get("GENPIPE_DTYPE", "float32"),
                      choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--max-batch", type=_at_least(1), default=os.environ.get("GENPIPE_MAX_BATCH", "32"),
+    gen.add_argument("--max-batch", type=at_least(1), default=os.environ.get("GENPIPE_MAX_BATCH", "32"),
                      help="requests decoded together (KV cache rows; env GENPIPE_MAX_BATCH; default %(default)s)")
-    gen.add_argument("--max-model-len", type=_at_least(1), default=None, help="context length (default: the model's)")
-    gen.add_argument("--prefill-chunk", type=_at_least(1), default=512,
+    gen.add_argument("--max-model-len", type=at_least(1), default=None, help="context length (default: the model's)")
+    gen.add_argument("--prefill-chunk", type=at_least(1), default=512,
                      help="prompt tokens prefilled per step, so long prompts don't stall decoding")
-    gen.add_argument("--threads", type=_at_least(0), default=os.environ.get("GENPIPE_TORCH_THREADS", "0"),
+    gen.add_argument("--threads", type=at_least(0), default=os.environ.get("GENPIPE_TORCH_THREADS", "0"),
                      help="torch CPU threads (env GENPIPE_TORCH_THREADS; 0 = torch's default). Small "
                           "models on few cores run faster with 1 (see BENCHMARKS.md)")
     gen.add_argument("--engine-in", choices=("process", "thread"), default="process",
                      help="where the model steps: 'process' (default) a child process, so steps never "
                           "wait on the GIL for the Kafka loop (more tokens/s, see BENCHMARKS.md); "
                           "'thread' a thread of the worker process (one process, less memory)")
-    gen.add_argument("--min-step-ms", type=_at_least(0.0, float), default=0.0,
+    gen.add_argument("--min-step-ms", type=at_least(0.0, float), default=0.0,
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "
                           "model's pace of ~50 tokens/s per request")
-    gen.add_argument("--coalesce-max-tokens", type=_at_least(1), default=16,
+    gen.add_argument("--coalesce-max-tokens", type=at_least(1), default=16,
                      help="at most this many tokens per chunk; tokens that piled up while the producer "
                           "lagged are cut into chunks of this size (default %(default)s)")
-    gen.add_argument("--coalesce-max-delay-ms", type=_at_least(0.0, float), default=20.0,
+    gen.add_argument("--coalesce-max-delay-ms", type=at_least(0.0, float), default=20.0,
                      help="when the producer lags, hold a token at most this long (default %(default)s ms)")
     _common(gen)
     gen.set_defaults(func=_run_generate)

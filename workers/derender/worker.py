@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
-from workers.derender.state import CancelRequest, Derenderer, Result
+from workers.derender.state import CancelRequest, Derenderer, Output, Result
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.offsets import OffsetTracker
 from workers.kafka.publisher import Publisher
@@ -31,6 +32,28 @@ W = "derender"  # metrics label
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "published="
+
+
+def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callable[[Output], Outgoing],
+                        limit: int) -> list[tuple[Output, Outgoing]]:
+    """The derenderer's outputs with their records. A result over `limit` bytes (a long
+    non-streamed answer with many logprobs) would be refused by the broker, leaving its
+    request unanswered and its offset held: the error result that ends the request
+    (`Derenderer.fail`) goes in its place. The worker and `genpipe replay` both apply
+    it, so a replay reproduces the worker's records."""
+    out = []
+    for output in outputs:
+        record = to_record(output)
+        if isinstance(output, Result) and record.size() > limit:
+            message = (f"result too large: {record.size()} bytes, over the record size limit of {limit} "
+                       f"bytes; ask for fewer logprobs, or stream the response (each streamed result "
+                       f"holds one chunk's tokens)")
+            log.warning("request %s: %s", output.request_id, message)
+            # the request asked for more than a record holds: the client's to change
+            out.extend((o, to_record(o)) for o in derenderer.fail(output, message, "invalid_request_error", 400))
+        else:
+            out.append((output, record))
+    return out
 
 
 def parse_published(metadata: str | None) -> int:
@@ -101,24 +124,9 @@ class DerenderHandler:
         series(IN_FLIGHT, W).set(len(self.request_start))
 
     def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:
-        """The derenderer's outputs as records. A result over the record size limit (a
-        long non-streamed answer with many logprobs) would be refused by the broker and
-        its request left unanswered and uncommitted: an error result that ends the
-        request goes instead. Checked on replays too, so state is rebuilt the same way."""
-        records = []
-        for output in outputs:
-            record = self._outgoing(output, tp)
-            if isinstance(output, Result) and not self.publisher.fits(record):
-                message = (f"result too large: {record.size()} bytes, over the record size limit of "
-                           f"{self.publisher.max_record_bytes} bytes; ask for fewer logprobs, or stream "
-                           f"the response (each streamed result holds one chunk's tokens)")
-                log.warning("request %s: %s", output.request_id, message)
-                # the request asked for more than a record holds: the client's to change
-                failed = self.derenderer.fail(output, message, "invalid_request_error", 400)
-                records.extend(self._outgoing(o, tp) for o in failed)
-            else:
-                records.append(record)
-        return records
+        # Sized on replays too (records below `publish_from`), so state is rebuilt the same way.
+        return [record for _, record in within_record_limit(
+            self.derenderer, outputs, lambda output: self._outgoing(output, tp), self.publisher.max_record_bytes)]
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):

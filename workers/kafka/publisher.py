@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 1_000_000
 
 
+def request_size_for(max_record_bytes: int) -> int:
+    """The producer's max_request_size for a record limit: never the one that refuses."""
+    return max(1 << 20, max_record_bytes + (64 << 10))
+
+
 class Publisher:
     def __init__(self, producer: AIOKafkaProducer, dlq_topic: str, max_record_bytes: int = MAX_RECORD_BYTES):
         self.producer = producer

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from workers.kafka.clients import make_producer
 from workers.kafka.loop import ConsumerLoop, Handler
-from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher
+from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher, request_size_for
 from workers.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 pass  # not the main thread: nothing to install
 
     # The producer's own request limit must not refuse what `max_record_bytes` allows.
-    overrides = {"max_request_size": max(1 << 20, max_record_bytes + (64 << 10)), **(producer_overrides or {})}
+    overrides = {"max_request_size": request_size_for(max_record_bytes), **(producer_overrides or {})}
     producer = make_producer(settings, **overrides)
     await producer.start()
     publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
