@@ -8,6 +8,7 @@ import time
 from aiokafka import AIOKafkaConsumer
 
 from schemas import GenerateChunk
+from workers.kafka.clients import make_admin
 from workers.kafka.records import decode_message
 from workers.kafka.settings import KafkaSettings
 
@@ -46,6 +47,16 @@ def chunks_finished(request_ids):
         seen = len(records)
         return wanted <= done
     return check
+
+
+async def committed_offsets(settings: KafkaSettings, group: str, partitions: list) -> dict:
+    """The group's committed offsets (with metadata) for these TopicPartitions, from the broker."""
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        return await admin.list_consumer_group_offsets(group, partitions=partitions)
+    finally:
+        await admin.close()
 
 
 async def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:

@@ -51,7 +51,7 @@ def test_normal_stream_and_bookkeeping(d, tables):
 def test_new_attempt_restarts(d, tables):
     a = chunks_for(tables, attempt="A")
     b = chunks_for(tables, attempt="B")
-    out = run_chunks(d, a[:2])
+    assert len(results(run_chunks(d, a[:2]))) == 2  # attempt A streamed two results
     out_b0 = d.process(b[0])
     assert results(out_b0)[0].headers == {"genpipe-attempt": "B", "genpipe-seq": "0", "genpipe-restart": "1"}
     # The superseded attempt's later chunks are dropped, the new one goes on.

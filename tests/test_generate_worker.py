@@ -9,12 +9,12 @@ import pytest
 from aiokafka import TopicPartition
 
 from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
-from tests.kafka_helpers import chunks_finished, read_topic
+from tests.kafka_helpers import chunks_finished, committed_offsets, read_topic
 from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 from workers.generate.worker import ChunkPolicy
-from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.clients import make_producer
 from workers.kafka.records import HEADER_DLQ_OFFSET, decode_message
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -148,16 +148,6 @@ async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
                 assert [e.token_id for e in c.logprobs.content] == c.token_ids
 
 
-async def committed_offset(settings, group: str, tp: TopicPartition) -> int | None:
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(group, partitions=[tp])
-    finally:
-        await admin.close()
-    return committed[tp].offset if tp in committed else None
-
-
 async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_with_an_error(
         kafka_settings, make_topics, engine, tiny_model_dir):
     # 2,500 bytes: a few tokens with top-20 logprobs (~770 bytes each) fit, twelve do not;
@@ -199,7 +189,8 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
     assert error.output == prompt.output and error.prompt_token_count == 201  # seq 0's fields, for derender
     assert [t for c in chunks["plain"] for t in c.token_ids] == reference["plain"]
     # nothing held: the group committed past all three requests
-    assert await committed_offset(kafka_settings, group, TopicPartition(kafka_settings.topic("requests"), 0)) == 3
+    tp = TopicPartition(kafka_settings.topic("requests"), 0)
+    assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 3
 
 
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):

@@ -8,9 +8,9 @@ import pytest
 from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, DecodeError, GenerateRequest, ValidationError
-from tests.kafka_helpers import read_topic, wait_for
+from tests.kafka_helpers import committed_offsets, read_topic, wait_for
 from workers.broker.topics import create_topics
-from workers.kafka.clients import make_admin, make_consumer, make_producer
+from workers.kafka.clients import make_consumer, make_producer
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION,
@@ -137,12 +137,7 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
     assert b"request_id: expected str, got int" in typed[HEADER_DLQ_ERROR]
 
     # the commit carries the handler's metadata, readable through the admin client
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(group, partitions=[tp])
-    finally:
-        await admin.close()
+    committed = await committed_offsets(kafka_settings, group, [tp])
     assert committed[tp].offset == 3 and committed[tp].metadata == "seen"
 
 

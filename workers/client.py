@@ -77,7 +77,7 @@ from schemas import (
     header_value,
     headers_for,
 )
-from schemas.codec import HEADER_CONTENT_TYPE, HEADER_SCHEMA, content_type_of, decode
+from schemas.codec import HEADER_SCHEMA, content_type_of, decode
 from schemas.openai import OpenAIResult
 from workers.kafka.records import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
