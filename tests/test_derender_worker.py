@@ -180,8 +180,10 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
                         output=OutputOptions(kind="completion", stream=False, top_logprobs=5))
     streamed = make_chunks("streamed", ids[:43], [1, 40, 1, 1], positions=logprobs[:43], prompt_tail=[1, 5],
                            output=OutputOptions(kind="chat", stream=True, top_logprobs=5))
+    first = make_chunks("first", ids[:42], [40, 1, 1], positions=logprobs[:42], prompt_tail=[1, 5],
+                        output=OutputOptions(kind="chat", stream=True, top_logprobs=5))
     small = make_chunks("small", ids[:3], [1, 2], prompt_tail=[1, 5], output=OutputOptions(kind="completion"))
-    chunks = whole + streamed + small
+    chunks = whole + streamed + first + small
     expected_small = expected_results(tiny_model_dir, {"small": small})["small"]
 
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -191,10 +193,10 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
         stop=stop, on_ready=ready.set))
     try:
         await asyncio.wait_for(ready.wait(), 60)
-        await produce_chunks(kafka_settings, chunks, {"whole": 0, "streamed": 0, "small": 0})
+        await produce_chunks(kafka_settings, chunks, {"whole": 0, "streamed": 0, "first": 0, "small": 0})
         records = await read_topic(kafka_settings, kafka_settings.topic("results"),
-                                   until=all_final({"whole", "streamed", "small"}))
-        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1)
+                                   until=all_final({"whole", "streamed", "first", "small"}))
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 2)
     finally:
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
@@ -216,7 +218,10 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
     assert [seq for _, seq, _ in keys["streamed"]] == [0, 1] and keys["streamed"][-1][2]
     assert isinstance(got["streamed"][0], ChatCompletionChunk)
     assert got["streamed"][1].error.message.startswith("derender: result too large: ")
-    assert [(c.key, decode_record(c.value, c.headers, Cancel).request_id) for c in cancels] == [(b"streamed", "streamed")]
+    # the same when the very first result is too large: one error result, nothing after it
+    assert keys["first"] == [("a1", 0, True)] and isinstance(got["first"][0], ErrorResponse)
+    assert [(c.key, decode_record(c.value, c.headers, Cancel).request_id) for c in cancels] == [
+        (b"streamed", "streamed"), (b"first", "first")]
     assert got["small"] == expected_small
     # nothing held: the group committed past every chunk
     tp = TopicPartition(kafka_settings.topic("chunks"), 0)

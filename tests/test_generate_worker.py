@@ -9,7 +9,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from schemas import Cancel, GenerateChunk, GenerateRequest, OutputOptions, SamplingParams, encode, headers_for
-from tests.kafka_helpers import chunks_finished, committed_offsets, read_topic
+from tests.kafka_helpers import chunks_finished, committed_offsets, read_topic, wait_for
 from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
@@ -191,6 +191,35 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
     # nothing held: the group committed past all three requests
     tp = TopicPartition(kafka_settings.topic("requests"), 0)
     assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 3
+
+
+async def test_a_request_whose_single_token_chunk_is_over_the_limit_ends_with_an_error_and_stops(
+        kafka_settings, make_topics, engine):
+    # 900 bytes: a first chunk with one token and its top-20 logprobs (~770 bytes) plus the
+    # first chunk's prompt facts does not fit. Published as due (no piling up): the error
+    # ends the request while the engine is still generating it.
+    await make_topics(kafka_settings, partitions=1)
+    big = GenerateRequest(request_id="big", prompt_token_ids=[1, 40, 41],
+                          sampling=SamplingParams(max_tokens=None, ignore_eos=True, logprobs=20))
+    after = GenerateRequest(request_id="after", prompt_token_ids=[1, 40, 41],
+                            sampling=SamplingParams(max_tokens=5, ignore_eos=True))
+    stop, task = await start_worker(kafka_settings, engine, max_record_bytes=900, min_step_s=0.01)
+    try:
+        await produce(kafka_settings, [request_record(big), request_record(after)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({"big", "after"}))
+        # to the context length would take 20 s at this pace: the error stopped it
+        await wait_for(lambda: not engine.has_work(), timeout=10, what="the engine to drop the failed request")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)
+    (error,) = chunks["big"]
+    assert error.finish_reason == "error" and error.seq == 0 and error.token_ids == []
+    assert error.error.message.startswith("chunk too large: one token's logprobs encode to ")
+    assert sum(len(c.token_ids) for c in chunks["after"]) == 5
+    tp = TopicPartition(kafka_settings.topic("requests"), 0)
+    assert (await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen", [tp]))[tp].offset == 2
 
 
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):

@@ -52,7 +52,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="largest record to publish (env GENPIPE_MAX_RECORD_BYTES; default "
                              "%(default)s, under Kafka's default 1 MiB limit). A chunk or result that "
                              "would be larger is cut or, when it cannot be, replaced by an error for its "
-                             "request. Raise it only together with the broker's message.max.bytes.")
+                             "request. Raise it only together with the broker's message.max.bytes, and use one "
+                             "value for all workers (and replay): a new owner replays a partition's "
+                             "requests by the same rule.")
     parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
 
 

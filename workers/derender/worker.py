@@ -12,6 +12,7 @@ partition order, publishes its outputs, and keeps the commits honest:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Callable
@@ -46,8 +47,8 @@ def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callab
         record = to_record(output)
         if isinstance(output, Result) and record.size() > limit:
             message = (f"result too large: {record.size()} bytes, over the record size limit of {limit} "
-                       f"bytes; ask for fewer logprobs, or stream the response (each streamed result "
-                       f"holds one chunk's tokens)")
+                       f"bytes; ask for fewer logprobs (a non-streamed answer holds every token's "
+                       f"logprobs in one result, a streamed one those of one chunk)")
             log.warning("request %s: %s", output.request_id, message)
             # the request asked for more than a record holds: the client's to change
             out.extend((o, to_record(o)) for o in derenderer.fail(output, message, "invalid_request_error", 400))
@@ -106,21 +107,24 @@ class DerenderHandler:
             if finished:
                 self._finish(rid, None)
             return
-        last_future = None
+        futures = []
         if records:
             published.hold(message.offset)
         for record in records:
-            if record.topic != self.cancel_topic:
+            if not isinstance(record.value, Cancel):
                 series(RESULTS, W).inc()
                 if isinstance(record.value, ErrorResponse):
                     series(ERRORS, W).inc()
-            last_future = await self.publisher.publish(record)
+            futures.append(await self.publisher.publish(record))
         if records and chunk.sampled_at_ns:
             series(DERENDER_LATENCY, W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
-        if last_future is not None:
-            last_future.add_done_callback(lambda f: self._acked(tp, message.offset, f))
+        # Released once every record of this chunk is acknowledged: a result and a cancel
+        # go to different topics, and the cancel's ack says nothing of the result's.
+        acked = None if not futures else futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+        if acked is not None:
+            acked.add_done_callback(lambda f: self._acked(tp, message.offset, f))
         if finished:
-            self._finish(rid, last_future)
+            self._finish(rid, acked)
         series(IN_FLIGHT, W).set(len(self.request_start))
 
     def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:

@@ -185,10 +185,10 @@ class GenerateHandler:
         async with self._publish_lock:
             records, owners = [], []
             for state, finish_reason, error, stop_token_id in finals:
-                if finish_reason != "error":  # errors were counted as "invalid" when rejected
-                    series(REQUESTS, W, finish_reason).inc()
                 state.closed = True
                 taken = self._take_records(state, finish_reason, error=error, stop_token_id=stop_token_id)
+                if finish_reason != "error":  # errors were counted as "invalid" when rejected
+                    series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
             now = time.monotonic()
@@ -267,6 +267,7 @@ class GenerateHandler:
         series(ERRORS, W).inc()
         if not state.closed:  # still generating: stop it (its abort output finds no state)
             state.closed = True
+            series(REQUESTS, W, "error").inc()
             del self.inflight[rid]
             self.engine.abort(rid, "abort")
             series(IN_FLIGHT, W).set(len(self.inflight))
