@@ -96,10 +96,11 @@ def all_final(request_ids):
     return lambda records: request_ids <= {r.key.decode() for r in records if HEADER_FINAL in dict(r.headers)}
 
 
-async def start_worker(settings, tokenizer_dir):
+async def start_worker(settings, tokenizer_dir, **config):
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.ensure_future(run_derender_worker(
-        settings, DerenderWorkerConfig(tokenizer=str(tokenizer_dir), group_id=f"{settings.topic_prefix}-der"),
+        settings, DerenderWorkerConfig(tokenizer=str(tokenizer_dir), group_id=f"{settings.topic_prefix}-der",
+                                       **config),
         stop=stop, on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), 60)
     return stop, task
@@ -186,13 +187,8 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
     chunks = whole + streamed + first + small
     expected_small = expected_results(tiny_model_dir, {"small": small})["small"]
 
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.ensure_future(run_derender_worker(
-        kafka_settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{kafka_settings.topic_prefix}-der",
-                                             max_record_bytes=4000),
-        stop=stop, on_ready=ready.set))
+    stop, task = await start_worker(kafka_settings, tiny_model_dir, max_record_bytes=4000)
     try:
-        await asyncio.wait_for(ready.wait(), 60)
         await produce_chunks(kafka_settings, chunks, {"whole": 0, "streamed": 0, "first": 0, "small": 0})
         records = await read_topic(kafka_settings, kafka_settings.topic("results"),
                                    until=all_final({"whole", "streamed", "first", "small"}))
