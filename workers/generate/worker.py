@@ -222,10 +222,11 @@ class GenerateHandler:
                 last = count == len(state.pending_ids)
                 record = self._outgoing(state, self._chunk(state, count, finish_reason if last else None,
                                                            **(extra if last else {})))
-                if count <= 1 or self.publisher.fits(record):
+                fits = self.publisher.fits(record)
+                if fits or count <= 1:
                     break
                 count //= 2
-            if not self.publisher.fits(record):
+            if not fits:
                 records.append(self._too_large(state, record.size()))
                 return records
             self._advance(state, count)
@@ -265,14 +266,9 @@ class GenerateHandler:
                    f"workers' --max-record-bytes together with the broker's message.max.bytes)")
         log.warning("request %s: %s", rid, message)
         series(ERRORS, W).inc()
-        if not state.closed:  # still generating: stop it (its abort output finds no state)
-            state.closed = True
+        if not state.closed:  # still generating: stop it here
             series(REQUESTS, W, "error").inc()
-            del self.inflight[rid]
-            self.engine.abort(rid, "abort")
-            series(IN_FLIGHT, W).set(len(self.inflight))
-            if not self.inflight:
-                self._idle.set()
+            self._stop_running(state)
         state.pending_ids, state.pending_logprobs, state.prompt_logprobs = [], [], None
         chunk = self._chunk(state, 0, "error", error=ChunkError(message=message))
         self._advance(state, 0)
@@ -324,11 +320,19 @@ class GenerateHandler:
 
     async def on_revoked(self, partitions) -> None:
         revoked = set(partitions)
-        for request_id, state in list(self.inflight.items()):
+        for state in list(self.inflight.values()):
             if state.tp in revoked:
-                state.closed = True
-                del self.inflight[request_id]  # no abort chunk: the new owner re-runs it
-                self.engine.abort(request_id, "abort")
+                self._stop_running(state)  # no abort chunk: the new owner re-runs it
+        if not self.inflight:
+            self._idle.set()
+
+    def _stop_running(self, state: InFlight) -> None:
+        """Take a running request out of the worker and the engine; nothing more of it is
+        published (the engine's abort output finds no state)."""
+        state.closed = True
+        del self.inflight[state.request.request_id]
+        self.engine.abort(state.request.request_id, "abort")
+        series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
 
