@@ -107,6 +107,9 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first entry None
     output: OutputOptions | None = None
     reply_topic: str | None = None  # the request's reply_topic, so derender knows where to answer
+    # The request record's offset on its partition (the chunk's partition number): a re-run
+    # of the same record (after a crash) has the same one, a re-used request_id another.
+    request_offset: int | None = None
 
 
 class Cancel(msgspec.Struct, kw_only=True):

@@ -212,7 +212,7 @@ async def test_chat_stream_and_completion_with_logprobs_match_the_sampled_ids(pi
 async def test_duplicates_and_restarts_are_hidden(kafka_settings, make_topics, capsys):
     """A scripted derender publishes duplicates and a restart; the client shows the winner."""
     await make_topics(kafka_settings, partitions=2)
-    reply_topic = f"{kafka_settings.topic_prefix}.my-replies"
+    reply_topic = f"{kafka_settings.topic_prefix}.reply.mine"
     await create_topic(kafka_settings, reply_topic)
 
     def value(rid: str, text: str, finish: str | None = None):
@@ -352,6 +352,24 @@ async def test_submit_without_workers_exits_nonzero_with_one_line(kafka_settings
         f"genpipe submit: no result for request nobody-home within 1 s: are a generate and a derender "
         f"worker running on topic prefix {kafka_settings.topic_prefix!r} "
         f"(bootstrap {kafka_settings.bootstrap_servers})?"]
+
+
+async def test_submit_says_early_that_no_worker_is_running(kafka_settings, make_topics, capsys):
+    """It waited the whole timeout (120 s by default) without a word."""
+    await make_topics(kafka_settings, partitions=1)
+    rc = await cli("submit", *kafka_args(kafka_settings), "--token-ids", "1,2,3", "--timeout", "13",
+                   "--request-id", "early-word")
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 1 and out == ""
+    prefix = kafka_settings.topic_prefix
+    assert lines[0] == (
+        f"genpipe submit: no generate worker (consumer group {prefix}-generate has no members); no derender "
+        f"worker (consumer group {prefix}-derender has no members). Request early-word waits in {prefix}.requests "
+        f"until one runs (genpipe generate-worker / genpipe derender-worker; workers with their own --group-id "
+        f"are not checked)")
+    assert lines[1].startswith("genpipe submit: still waiting for request early-word (1") and "of 13 s)" in lines[1]
+    assert lines[-1].startswith("genpipe submit: no result for request early-word within 13 s")
 
 
 async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_model_dir, tmp_path, capsys):

@@ -155,6 +155,39 @@ def test_generate_error_chunk(d, tables):
     assert cancels(d.process(c)) == []  # finished; no cancel for a request generate ended
 
 
+def test_generate_error_chunk_with_the_bad_prompt_id_in_its_tail_reaches_the_user_as_written(d, tables):
+    """`submit --token-ids 1,99999`: generate's precise error chunk also carries the bad id in
+    prompt_tail_ids; derender refused the chunk for it and answered with a server_error."""
+    message = "prompt_token_ids[1] = 99999 is out of range for a vocabulary of 2000 tokens"
+    c = GenerateChunk(request_id="tail", attempt="a", seq=0, finish_reason="error", prompt_token_count=2,
+                      prompt_tail_ids=[1, 99999], error=ChunkError(message=message), output=STREAM)
+    err = only_error(d.process(c))
+    assert err.value.error.message == message
+    assert err.value.error.type == "invalid_request_error" and err.value.error.code == 400
+
+
+def test_a_reused_request_id_gets_an_error_not_silence(d, tables):
+    """kcat's `-k kcat-1` sent twice: generate runs the second record (a new attempt), and
+    derender dropped every chunk of it as 'already finished': no answer ever came."""
+    first = chunks_for(tables, rid="kcat-1", attempt="A")
+    first[0].request_offset = 4
+    assert results(run_chunks(d, first))[-1].final
+    # A crash re-run of the same record (same offset): dropped, the first answer stands.
+    rerun = chunks_for(tables, rid="kcat-1", attempt="B")
+    rerun[0].request_offset = 4
+    assert run_chunks(d, rerun) == []
+    # The same id in a new record: one error result and a cancel for generate.
+    again = chunks_for(tables, rid="kcat-1", attempt="C")
+    again[0].request_offset = 9
+    out = run_chunks(d, again)
+    err = only_error(out)
+    assert err.headers == {"genpipe-attempt": "C", "genpipe-seq": "0", "genpipe-final": "1"}
+    assert err.value.error.type == "invalid_request_error"
+    assert "request_id 'kcat-1' was already used" in err.value.error.message
+    assert [c.request_id for c in cancels(out)] == ["kcat-1"]
+    assert run_chunks(d, again) == []  # its redelivery changes nothing
+
+
 def test_reply_topic_on_every_result(d, tables):
     out = run_chunks(d, chunks_for(tables, reply_topic="client.7"))
     assert {r.reply_topic for r in results(out)} == {"client.7"}

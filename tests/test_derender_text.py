@@ -51,6 +51,37 @@ def test_character_split_between_prompt_and_output(tables):
     assert steps(det, out) == ["", "中"]
 
 
+def test_prompt_ending_inside_a_character_keeps_it(tables):
+    """A prompt that ends with the first byte(s) of a character the output does not
+    complete: the U+FFFD is the prompt's, so the answer does not start with it (it did)."""
+    out = encode_ids(tables, " the end")
+    plain = Detokenizer(tables, prompt_tail=encode_ids(tables, "a")).feed(out)
+    for cut in (1, 2):
+        tail = raw_byte_ids(tables, b"a" + "中".encode()[:cut])
+        det = Detokenizer(tables, prompt_tail=tail)
+        assert "".join(steps(det, out)) + det.flush() == plain
+        # one broken byte of the output's own still shows
+        det = Detokenizer(tables, prompt_tail=tail)
+        own = raw_byte_ids(tables, b"\xe4")
+        assert det.feed(out + own) + det.flush() == plain + FFFD
+
+
+def test_prompt_ending_in_a_merged_piece_with_half_a_character():
+    """Byte-level BPE's `Ġ` + the first bytes of a CJK character as one piece (e.g. `Ġåĩ`)."""
+    bl = tables_for("bytelevel")
+    from workers.derender.correction import INCOMPLETE, utf8_state
+
+    merged = [i for i in range(bl.size) if bl.raw_bytes[i] and len(bl.raw_bytes[i]) >= 2
+              and bl.raw_bytes[i][:1] == b" " and utf8_state(bl.raw_bytes[i]) == INCOMPLETE]
+    assert merged, "the tiny byte-level vocabulary should have a space + partial character piece"
+    out = encode_ids(bl, " the end")
+    plain = Detokenizer(bl, prompt_tail=encode_ids(bl, "a")).feed(out)
+    det = Detokenizer(bl, prompt_tail=encode_ids(bl, "a") + [merged[0]])
+    text = det.feed(out) + det.flush()
+    assert not text.startswith(FFFD) and FFFD not in text
+    assert text == plain
+
+
 def test_flush_shows_broken_bytes(tables):
     ids = raw_byte_ids(tables, "ab".encode() + "中".encode()[:2])
     det = Detokenizer(tables, prompt_tail=encode_ids(tables, "x"))

@@ -3,6 +3,7 @@ continuous batching, chunked prefill, seeded sampling, stop rules, logprobs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
@@ -16,7 +17,7 @@ from schemas.records import GenerateRequest, SamplingParams
 from workers.generate.engine import Engine, RequestOutput
 
 EOS = 2
-HELLO = "[user]: Hello!\n[assistant]:"  # the tiny model answers and ends with EOS (id 2)
+HELLO = "[user]: Hello!\n[assistant]:"  # a chat turn; whether the model ends it with EOS depends on the CPU
 TEXTS = [
     "The quick brown fox",
     "[user]: What is the capital of France?\n[assistant]:",
@@ -76,11 +77,12 @@ _HF_CACHE: dict = {}
 def hf_greedy(hf_model):
     """Token ids of model.generate(do_sample=False), batch 1, stopping at EOS like it does."""
 
-    def run(prompt: list[int], n: int, min_new: int = 0) -> list[int]:
-        key = (tuple(prompt), n, min_new)
+    def run(prompt: list[int], n: int, min_new: int = 0, eos: int = EOS) -> list[int]:
+        key = (tuple(prompt), n, min_new, eos)
         if key not in _HF_CACHE:
             with torch.inference_mode():
                 kw = {"min_new_tokens": min_new} if min_new else {}
+                kw["eos_token_id"] = eos
                 out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kw)
             _HF_CACHE[key] = out[0, len(prompt):].tolist()
@@ -244,27 +246,45 @@ def test_max_tokens_and_stop_token_ids(make_engine, prompts, hf_greedy):
     assert res.finish_reason == "stop" and res.stop_token_id == stop
 
 
-def test_eos_ignore_eos_and_min_tokens(make_engine, tok, hf_greedy):
-    engine = make_engine()
+@contextlib.contextmanager
+def eos_is(hf_model, token_id: int):
+    """The model's EOS set to `token_id` while the block runs (engines built inside read it)."""
+    saved = hf_model.generation_config.eos_token_id, hf_model.config.eos_token_id
+    hf_model.generation_config.eos_token_id = hf_model.config.eos_token_id = token_id
+    try:
+        yield
+    finally:
+        hf_model.generation_config.eos_token_id, hf_model.config.eos_token_id = saved
+
+
+def test_eos_ignore_eos_and_min_tokens(make_engine, hf_model, tok, hf_greedy):
+    # The trained tiny model's words differ between CPUs (it is trained where it is built),
+    # so whether it says EOS here is not known: EOS becomes a token it does say (portable).
     hello = tok.encode(HELLO).ids
-    ref = hf_greedy(hello, 40)
-    assert ref[-1] == EOS and len(ref) < 40, "the tiny model should end this answer with EOS"
-    res = run(engine, [req("e", hello, max_tokens=40)])["e"]
-    assert res.tokens == ref and res.finish_reason == "stop" and res.stop_token_id is None
+    free = hf_greedy(hello, 40)
+    said = [t for i, t in enumerate(free) if i >= 2 and t != EOS and t not in free[:i]]
+    assert (free[-1] == EOS and len(free) >= 3) or said, f"no usable EOS in {free}"
+    eos = EOS if free[-1] == EOS and len(free) >= 3 else said[0]
+    with eos_is(hf_model, eos):
+        engine = make_engine()
+        ref = hf_greedy(hello, 40, eos=eos)
+        assert ref[-1] == eos and len(ref) < 40
+        res = run(engine, [req("e", hello, max_tokens=40)])["e"]
+        assert res.tokens == ref and res.finish_reason == "stop" and res.stop_token_id is None
 
-    res = run(engine, [req("i", hello, max_tokens=len(ref) + 5, ignore_eos=True)])["i"]
-    assert res.tokens[: len(ref)] == ref and len(res.tokens) == len(ref) + 5
-    assert res.finish_reason == "length"
+        res = run(engine, [req("i", hello, max_tokens=len(ref) + 5, ignore_eos=True)])["i"]
+        assert res.tokens[: len(ref)] == ref and len(res.tokens) == len(ref) + 5
+        assert res.finish_reason == "length"
 
-    # min_tokens masks EOS (and stop ids) until reached: same as HF's min_new_tokens.
-    m = len(ref) + 3
-    res = run(engine, [req("n", hello, max_tokens=40, min_tokens=m)])["n"]
-    assert EOS not in res.tokens[: m]
-    assert res.tokens == hf_greedy(hello, 40, min_new=m)
-    # ... and a stop id below min_tokens is ignored, above it honoured.
-    stop = ref[1]
-    res = run(engine, [req("t", hello, max_tokens=40, min_tokens=3, stop_token_ids=[stop])])["t"]
-    assert stop not in res.tokens[:2] and len(res.tokens) >= 3
+        # min_tokens masks EOS (and stop ids) until reached: same as HF's min_new_tokens.
+        m, n = len(ref) + 3, len(ref) + 8
+        res = run(engine, [req("n", hello, max_tokens=n, min_tokens=m)])["n"]
+        assert eos not in res.tokens[: m]
+        assert res.tokens == hf_greedy(hello, n, min_new=m, eos=eos)
+        # ... and a stop id below min_tokens is ignored, above it honoured.
+        stop = ref[1] if ref[1] != eos else ref[0]
+        res = run(engine, [req("t", hello, max_tokens=40, min_tokens=3, stop_token_ids=[stop])])["t"]
+        assert stop not in res.tokens[:2] and len(res.tokens) >= 3
 
 
 def test_context_full_is_length(make_engine, prompts, hf_greedy):
@@ -403,7 +423,8 @@ def test_bfloat16_runs(model_dir, prompts):
     engine = Engine(model_dir, dtype="bfloat16")
     assert engine.runner.k_cache.dtype == torch.bfloat16
     res = run(engine, [req("b", prompts[0], max_tokens=8, logprobs=2, ignore_eos=True),
-                       req("c", prompts[2], max_tokens=4, temperature=1.0, seed=3)])
+                       req("c", prompts[2], max_tokens=4, temperature=1.0, seed=3,
+                                           ignore_eos=True)])
     assert len(res["b"].tokens) == 8 and len(res["c"].tokens) == 4
     assert all(-9999.0 <= e.logprob <= 0.0 for e in res["b"].logprobs)
 

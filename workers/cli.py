@@ -52,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    from workers.startup import StartupError
+
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except StartupError as exc:  # one line saying what is wrong and what to do, no traceback
+        print(f"genpipe {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ functions so that `genpipe --help` starts fast.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
+import time
 
 from workers.derender.commands import add_derender_options
+from workers.startup import one_line as _one_line
 from workers.worker_commands import at_least
 
 _SUBMIT_EPILOG = """\
@@ -92,10 +95,6 @@ def _quiet_kafka_logs(verbose: bool = False) -> None:
 
     if not verbose:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------- submit
@@ -219,8 +218,6 @@ def _load_chat_file(path: str) -> list[dict]:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    import asyncio
-
     from workers.client import make_request, render_chat, render_prompt
 
     def fail(message: str, code: int = 2) -> int:
@@ -281,9 +278,12 @@ async def _submit(args: argparse.Namespace, request) -> int:
               file=err)
     items = []
     printed = False
+    answered = asyncio.Event()
+    watcher = asyncio.ensure_future(_while_waiting(settings, request.request_id, answered, err, args.timeout))
     try:
         async with GenpipeClient(settings=settings, reply_topic=args.reply_topic, timeout_s=args.timeout) as client:
             async for record in client.records(request):
+                answered.set()
                 if record.restart:
                     items.clear()
                     if not args.json:
@@ -315,6 +315,8 @@ async def _submit(args: argparse.Namespace, request) -> int:
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe submit: Kafka at {settings.bootstrap_servers}: {_one_line(exc)}", file=err)
         return 1
+    finally:
+        watcher.cancel()
     if args.verbose:
         choice = final.choices[0] if getattr(final, "choices", None) else None
         usage = getattr(final, "usage", None)
@@ -322,6 +324,32 @@ async def _submit(args: argparse.Namespace, request) -> int:
                 if usage is not None else "usage not requested (--include-usage)")
         print(f"genpipe submit: finish_reason={choice.finish_reason if choice else None}; {used}", file=err)
     return 0
+
+
+async def _while_waiting(settings, request_id: str, answered: asyncio.Event, err, timeout_s: float) -> None:
+    """Say early when no worker is there to answer (instead of a silent wait until the
+    timeout), then every 10 s how long the wait has been."""
+    from workers.kafka.groups import missing_workers
+
+    started = time.monotonic()
+    if await _set_within(answered, 2.0):
+        return
+    missing = await missing_workers(settings)
+    if missing and not answered.is_set():
+        print(f"genpipe submit: {'; '.join(missing)}. Request {request_id} waits in "
+              f"{settings.topic('requests')} until one runs (genpipe generate-worker / genpipe derender-worker; "
+              f"workers with their own --group-id are not checked)", file=err, flush=True)
+    while not await _set_within(answered, 10.0):
+        print(f"genpipe submit: still waiting for request {request_id} "
+              f"({time.monotonic() - started:.0f} s of {timeout_s:.0f} s)", file=err, flush=True)
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 class _RecordView:
@@ -363,7 +391,6 @@ def _add_tail(subparsers) -> None:
 
 
 def run_tail(args: argparse.Namespace) -> int:
-    import asyncio
 
     from aiokafka.errors import KafkaError
 
@@ -378,7 +405,6 @@ def run_tail(args: argparse.Namespace) -> int:
 
 
 async def _tail(args: argparse.Namespace) -> int:
-    import time
 
     from schemas import header_value
     from workers.client import record_json
@@ -474,7 +500,6 @@ def parse_start(value: str) -> tuple[str, int]:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    import asyncio
 
     from aiokafka.errors import KafkaError
 
@@ -523,7 +548,6 @@ STALL_S = 60.0  # replay: give up when the range stops advancing this long
 
 
 async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], sink) -> dict:
-    import time
 
     from aiokafka import TopicPartition
 

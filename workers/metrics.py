@@ -19,6 +19,9 @@ CHUNKS = Counter("genpipe_chunks_total", "Chunk records published (generate) or 
 RESULTS = Counter("genpipe_results_total", "Result records published", ["worker"])
 ERRORS = Counter("genpipe_errors_total", "Requests ended with an error result or chunk", ["worker"])
 DLQ = Counter("genpipe_dlq_records_total", "Records copied to the DLQ", ["worker"])
+REPLY_REFUSED = Counter("genpipe_reply_topic_refused_total",
+                        "Requests answered on the default results topic because their reply_topic was "
+                        "not allowed, missing or refused the record", ["worker"])
 IN_FLIGHT = Gauge("genpipe_in_flight_requests", "Requests started and not finished", ["worker"])
 BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["worker"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
 
 
@@ -25,6 +26,15 @@ def at_least(minimum, kind=int):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
         return value
     return parse
+
+
+def _pattern(text: str) -> str:
+    """An argparse type: a reply-topic pattern that compiles (checked with a sample prefix)."""
+    try:
+        reply_topic_rule("genpipe", text)
+    except ReplyTopicPatternError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _setup_logging(level: str) -> None:
@@ -55,6 +65,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "request. Raise it only together with the broker's message.max.bytes, and use one "
                              "value for all workers (and replay): a new owner replays a partition's "
                              "requests by the same rule.")
+    parser.add_argument("--reply-topic-pattern", type=_pattern,
+                        default=os.environ.get("GENPIPE_REPLY_TOPIC_PATTERN", DEFAULT_PATTERN),
+                        help="the topics a request may name as its reply_topic: a regular expression "
+                             "that must match the whole name, {prefix} standing for the topic prefix "
+                             "(env GENPIPE_REPLY_TOPIC_PATTERN; default %(default)s). The deployment's "
+                             "requests, chunks, cancel and dlq topics are never allowed. A request "
+                             "outside it gets an invalid_request_error on <prefix>.results. Use the "
+                             "same value for both workers.")
     parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
 
 
@@ -62,6 +80,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     from workers.generate.service import GenerateWorkerConfig, run_generate_worker
     from workers.generate.worker import ChunkPolicy
 
+    from workers.startup import check_device, check_model_dir
+
+    if args.model:
+        check_model_dir(args.model)
+    check_device(args.device)
     _setup_logging(args.log_level)
     if args.threads and args.engine_in == "thread":  # a child engine process sets its own
         import torch
@@ -75,20 +98,25 @@ def _run_generate(args: argparse.Namespace) -> int:
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
         engine_in=args.engine_in, threads=args.threads, max_record_bytes=args.max_record_bytes,
+        reply_topic_pattern=args.reply_topic_pattern,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
 
 def _run_derender(args: argparse.Namespace) -> int:
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+    from workers.startup import check_tokenizer_dir
 
+    if args.tokenizer:
+        check_tokenizer_dir(args.tokenizer)
     _setup_logging(args.log_level)
     settings = KafkaSettings.from_args(args, client_id="genpipe-derender")
     config = DerenderWorkerConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
         group_id=args.group_id or f"{settings.topic_prefix}-derender",
         grace_s=args.grace_period if args.grace_period is not None else 10.0,
-        commit_interval_s=args.commit_interval_ms / 1000, max_record_bytes=args.max_record_bytes)
+        commit_interval_s=args.commit_interval_ms / 1000, max_record_bytes=args.max_record_bytes,
+        reply_topic_pattern=args.reply_topic_pattern)
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 
 

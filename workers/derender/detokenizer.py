@@ -42,7 +42,7 @@ MAX_PENDING = 8
 
 class Detokenizer:
     __slots__ = ("_tables", "_skip", "_text", "_alone", "_dirty", "_raw", "_ctx", "_ctx_text",
-                 "_pending", "_bytes", "_decode")
+                 "_pending", "_bytes", "_decode", "_prompt_held")
 
     def __init__(self, tables: VocabTables, *, skip_special_tokens: bool = True,
                  prompt_tail: Sequence[int] | None = None):
@@ -58,10 +58,15 @@ class Detokenizer:
         self._ctx_text: str | None = ""  # decode(_ctx), computed lazily
         self._pending: list[int] = []  # ids not yet emitted (an incomplete character)
         self._bytes: bytes | None = b""  # their raw bytes; None once one is unknown
+        self._prompt_held = 0  # leading pending ids that are the prompt's (an incomplete character)
         if prompt_tail:
             # Seed with the prompt tail so the first token's Metaspace space survives and
             # a character split between prompt and output completes; the text is dropped.
             self.feed(prompt_tail)
+            # A prompt that ends inside a character keeps it: if the output does not
+            # complete it, its U+FFFD is the prompt's and never starts the answer
+            # (vLLM's rule: the seeded prefix decodes to the same U+FFFD).
+            self._prompt_held = len(self._pending)
 
     def feed(self, ids: Sequence[int]) -> str:
         """The new text produced by `ids` (may be "" while a character is incomplete)."""
@@ -144,6 +149,8 @@ class Detokenizer:
 
     def _emit(self, full: str) -> str:
         prefix = self._prefix()
+        if self._prompt_held:
+            prefix = self._decode(self._ctx + self._pending[:self._prompt_held])
         if full.startswith(prefix):
             new = full[len(prefix):]
         else:
@@ -158,6 +165,7 @@ class Detokenizer:
         self._ctx_text = None
         self._pending = []
         self._bytes = b""
+        self._prompt_held = 0
 
     def _prefix(self) -> str:
         if self._ctx_text is None:

@@ -9,8 +9,10 @@ from typing import Callable
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.derender.worker import DerenderHandler
 from workers.kafka.publisher import MAX_RECORD_BYTES
+from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
+from workers.startup import StartupError, one_line
 
 
 @dataclass
@@ -22,6 +24,7 @@ class DerenderWorkerConfig:
     grace_s: float = 10.0
     commit_interval_s: float = 0.5
     max_record_bytes: int = MAX_RECORD_BYTES  # largest result record published (see publisher)
+    reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
 
 
 def load_derenderer(config: DerenderWorkerConfig):
@@ -29,16 +32,20 @@ def load_derenderer(config: DerenderWorkerConfig):
     from workers.generate.tinymodel import default_model_dir
 
     tokenizer = config.tokenizer or str(default_model_dir("spm"))
-    return Derenderer(tokenizer, model_name=config.model_name, max_logprobs=config.max_logprobs)
+    try:
+        return Derenderer(tokenizer, model_name=config.model_name, max_logprobs=config.max_logprobs)
+    except Exception as exc:
+        raise StartupError(f"cannot load the tokenizer {tokenizer}: {type(exc).__name__}: {one_line(exc)}") from exc
 
 
 async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerConfig, *,
                               stop: asyncio.Event | None = None,
                               on_ready: Callable[[], None] | None = None) -> int:
     derenderer = load_derenderer(config)
+    rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)
 
     def make_handler(publisher, consumer_loop):
-        return DerenderHandler(settings, publisher, consumer_loop, derenderer)
+        return DerenderHandler(settings, publisher, consumer_loop, derenderer, rule)
 
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,

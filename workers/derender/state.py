@@ -6,7 +6,9 @@ out, in the order they must be published. The Kafka layer wraps it; it never nee
 look inside a request's state except through `active_requests()` / `is_finished()`.
 
 Rules, in the order they are applied to a chunk:
-1. A request in the recently-finished set ignores every later chunk (any attempt).
+1. A request in the recently-finished set ignores every later chunk (any attempt), but
+   for seq 0 of a *different request record* (`request_offset`): a re-used
+   `request_id` gets an `invalid_request_error` (and a cancel), never silence.
 2. Attempts: a chunk of a superseded attempt is dropped; seq 0 of a new attempt for an
    unfinished request resets the state and its first result carries
    `genpipe-restart: 1`; any other chunk of an unknown attempt is a seq gap.
@@ -81,7 +83,7 @@ class BadChunk(Exception):
 class _Request:
     __slots__ = ("attempt", "superseded", "next_seq", "restart", "chat", "stream", "k", "opts",
                  "reply_topic", "created", "model", "prompt_tokens", "generated", "detok", "stop",
-                 "hist", "offset", "first", "has_lp", "parts", "chat_lp", "comp_lp")
+                 "hist", "offset", "first", "has_lp", "parts", "chat_lp", "comp_lp", "request_offset")
 
 
 class Derenderer:
@@ -103,7 +105,8 @@ class Derenderer:
         self.max_logprobs = max_logprobs if max_logprobs >= 0 else tables.size
         self.finished_memory = finished_memory
         self._active: dict[str, _Request] = {}
-        self._finished: dict[str, None] = {}  # insertion-ordered: oldest evicted first
+        # request id -> its request record's offset; insertion-ordered: oldest evicted first
+        self._finished: dict[str, int | None] = {}
         self.stats = Stats()
 
     # --- what the Kafka layer needs --------------------------------------------------
@@ -137,7 +140,8 @@ class Derenderer:
         value = shaping.error_response(f"derender: {message}", kind, code)
         out: list[Output] = [Result(rid, result.reply_topic, value, {**result.headers, H_FINAL: "1"}, True)]
         if not result.final:
-            self._mark_finished(rid)
+            req = self._active.get(rid)
+            self._mark_finished(rid, req.request_offset if req is not None else None)
             out.append(CancelRequest(rid, f"derender error: {message}"))
         return out
 
@@ -146,6 +150,8 @@ class Derenderer:
         self.stats.chunks += 1
         rid = chunk.request_id
         if rid in self._finished:
+            if chunk.seq == 0 and _other_record(self._finished[rid], chunk.request_offset):
+                return self._reused(rid, chunk)
             self.stats.dropped_finished += 1
             return []
         req = self._active.get(rid)
@@ -201,6 +207,7 @@ class Derenderer:
         req.opts, req.chat, req.stream = opts, opts.kind == "chat", opts.stream
         req.k = max(0, opts.top_logprobs)
         req.reply_topic = chunk.reply_topic
+        req.request_offset = chunk.request_offset
         req.created = opts.created if opts.created is not None else (chunk.sampled_at_ns or 0) // 10**9
         req.model = opts.model or self.model_name
         req.prompt_tokens = chunk.prompt_token_count or 0
@@ -323,13 +330,27 @@ class Derenderer:
 
     def _finish(self, req: _Request | None, rid: str, chunk: GenerateChunk, value) -> Result:
         result = self._result(req, rid, chunk, value, True)
-        self._mark_finished(rid)
+        self._mark_finished(rid, req.request_offset if req is not None else chunk.request_offset)
         return result
 
-    def _mark_finished(self, rid: str) -> None:
+    def _reused(self, rid: str, chunk: GenerateChunk) -> list[Output]:
+        """Seq 0 of another request record with a finished request's id: a client re-sent
+        the id (kcat's `-k kcat-1` twice). Answered with an error, and generate is told to
+        stop the run; the first request's result stands."""
+        self.stats.rule_errors += 1
+        value = shaping.error_response(
+            f"request_id {rid!r} was already used by an earlier request, which has been answered; "
+            f"give every request a new request_id", "invalid_request_error", 400)
+        out: list[Output] = [self._finish(None, rid, chunk, value)]
+        if chunk.finish_reason is None:
+            out.append(CancelRequest(rid, "request_id re-used"))
+        return out
+
+    def _mark_finished(self, rid: str, request_offset: int | None = None) -> None:
         self._active.pop(rid, None)
         finished = self._finished
-        finished[rid] = None
+        finished.pop(rid, None)  # re-inserted: the newest
+        finished[rid] = request_offset
         if len(finished) > self.finished_memory:
             del finished[next(iter(finished))]
 
@@ -340,6 +361,11 @@ class Derenderer:
         if chunk.finish_reason is None:
             out.append(CancelRequest(rid, f"derender error: {message}"))
         return out
+
+
+def _other_record(finished_offset: int | None, offset: int | None) -> bool:
+    """A seq-0 chunk comes from another request record than the finished request's."""
+    return finished_offset is not None and offset is not None and offset != finished_offset
 
 
 def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
@@ -356,7 +382,9 @@ def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, genera
         if t >= vocab_size or t < 0:
             return f"token id {t} out of vocabulary (size {vocab_size})"
     tail = chunk.prompt_tail_ids
-    if tail and (min(tail) < 0 or max(tail) >= vocab_size):
+    # An error chunk is passed on as generate wrote it: its tail seeds nothing, and a bad
+    # prompt id is often the very error it reports.
+    if tail and chunk.finish_reason != "error" and (min(tail) < 0 or max(tail) >= vocab_size):
         return f"prompt_tail_ids hold an id out of vocabulary (size {vocab_size})"
     lp = chunk.logprobs
     if lp is None or lp.content is None:

@@ -17,16 +17,20 @@ import logging
 import time
 from typing import Callable
 
+import msgspec
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
-from workers.derender.state import CancelRequest, Derenderer, Output, Result
+from workers.derender.state import H_FINAL, CancelRequest, Derenderer, Output, Result
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.offsets import OffsetTracker
-from workers.kafka.publisher import Publisher
+from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, RESULTS, TOKENS, series
+from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, REPLY_REFUSED, RESULTS, TOKENS,
+                             series)
 
 W = "derender"  # metrics label
 
@@ -67,13 +71,22 @@ def parse_published(metadata: str | None) -> int:
     return 0
 
 
+def answer_on_default_topic(derenderer: Derenderer, result: Result, message: str) -> list[Output]:
+    """`result` cannot go to its reply topic (not allowed, missing, refused): end the
+    request with an `invalid_request_error` on the default results topic instead, where
+    the client's library (or `genpipe tail`) still finds it by request id."""
+    return [msgspec.structs.replace(o, reply_topic=None) if isinstance(o, Result) else o
+            for o in derenderer.fail(result, message, "invalid_request_error", 400)]
+
+
 class DerenderHandler:
     def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
-                 derenderer: Derenderer):
+                 derenderer: Derenderer, reply_rule: ReplyTopicRule | None = None):
         self.settings = settings
         self.publisher = publisher
         self.consumer_loop = consumer_loop
         self.derenderer = derenderer
+        self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.results_topic = settings.topic("results")
         self.cancel_topic = settings.topic("cancel")
         self.request_start: dict[str, tuple[TopicPartition, int]] = {}  # open request -> first offset
@@ -97,7 +110,7 @@ class DerenderHandler:
         series(CHUNKS, W).inc()
         series(TOKENS, W).inc(len(chunk.token_ids))
         rid = chunk.request_id
-        records = self._records(self.derenderer.process(chunk), tp)
+        records = self._records(await self._reply_topics_checked(self.derenderer.process(chunk)), tp)
         if rid not in self.request_start and self.derenderer.is_active(rid):
             self.request_start[rid] = (tp, message.offset)
             offsets.hold(message.offset)  # pins the commit until the request is finished
@@ -115,7 +128,7 @@ class DerenderHandler:
                 series(RESULTS, W).inc()
                 if isinstance(record.value, ErrorResponse):
                     series(ERRORS, W).inc()
-            futures.append(await self.publisher.publish(record))
+            futures.append(await self._publish(record, tp))
         if records and chunk.sampled_at_ns:
             series(DERENDER_LATENCY, W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
         # Released once every record of this chunk is acknowledged: a result and a cancel
@@ -126,6 +139,43 @@ class DerenderHandler:
         if finished:
             self._finish(rid, acked)
         series(IN_FLIGHT, W).set(len(self.request_start))
+
+    async def _reply_topics_checked(self, outputs: list[Output]) -> list[Output]:
+        """Results whose reply topic breaks the deployment's rule, or does not exist, become
+        an error result on the default topic (generate checks the rule too; a chunk may
+        come from elsewhere). Applied on replays too, so state is rebuilt the same way."""
+        checked: list[Output] = []
+        for output in outputs:
+            topic = output.reply_topic if isinstance(output, Result) else None
+            if topic and topic != self.results_topic:
+                problem = self.reply_rule.problem(topic)
+                if problem is None and not await self.publisher.partition_count(topic):
+                    problem = (f"reply_topic {topic!r} does not exist (or the derender workers may not "
+                               f"write to it): create it first")
+                if problem is not None:
+                    log.warning("request %s: %s", output.request_id, problem)
+                    series(REPLY_REFUSED, W).inc()
+                    checked.extend(answer_on_default_topic(self.derenderer, output, problem))
+                    continue
+            checked.append(output)
+        return checked
+
+    async def _publish(self, record: Outgoing, tp: TopicPartition) -> asyncio.Future:
+        """Publish; a reply topic that vanished or refuses us since it was checked gets the
+        request's error on the default topic instead. Only the deployment's own topics
+        may fail the worker: that is a broken deployment, not a bad request."""
+        try:
+            return await self.publisher.publish(record)
+        except (TopicUnavailable, KafkaError) as exc:
+            if record.topic in (self.results_topic, self.cancel_topic):
+                raise
+            log.warning("request %s: publishing to %s failed: %r", record.key, record.topic, exc)
+            series(REPLY_REFUSED, W).inc()
+            result = Result(record.key, record.topic, record.value, record.headers, H_FINAL in record.headers)
+            outputs = answer_on_default_topic(
+                self.derenderer, result, f"publishing to reply_topic {record.topic!r} failed: {exc}")
+            futures = [await self.publisher.publish(self._outgoing(o, tp)) for o in outputs]
+            return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
 
     def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:
         # Sized on replays too (records below `publish_from`), so state is rebuilt the same way.

@@ -15,9 +15,11 @@ from workers.generate.worker import W, ChunkPolicy, GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
 from workers.kafka.publisher import MAX_RECORD_BYTES
+from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
 from workers.metrics import BATCH_SIZE, STEP_TIME, series
+from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class GenerateWorkerConfig:
     engine_in: str = "process"  # "process": a child process (see engine_process); "thread": this one
     threads: int = 0  # torch CPU threads of the engine (0: torch's default)
     max_record_bytes: int = MAX_RECORD_BYTES  # largest chunk record published (see publisher)
+    reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
 
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
@@ -65,6 +68,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     config.engine_in is "thread"."""
     loop = asyncio.get_running_loop()
     holder: dict = {}
+    rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)  # a bad pattern fails before the model loads
 
     def deliver(outputs: list, step_s: float) -> None:  # on the engine (reader) thread
         if step_s:
@@ -80,16 +84,23 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     if engine is None and config.engine_in == "process":
         holder["engine"] = EngineProcess(engine_options(config), deliver, min_step_s=config.min_step_s,
                                          threads=config.threads)
-        await asyncio.to_thread(holder["engine"].start)  # loads the model; the loop stays free
+        try:
+            await asyncio.to_thread(holder["engine"].start)  # loads the model; the loop stays free
+        except RuntimeError as exc:
+            raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: {one_line(exc)}") from exc
     else:
         if engine is None:
-            engine = load_engine(config)
+            try:
+                engine = load_engine(config)
+            except Exception as exc:
+                raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: "
+                                   f"{type(exc).__name__}: {one_line(exc)}") from exc
         holder["engine"] = EngineThread(engine, deliver, min_step_s=config.min_step_s)
         holder["engine"].start()  # idle until the first request arrives
 
     def make_handler(publisher, consumer_loop):
         handler = GenerateHandler(settings, publisher, consumer_loop, holder["engine"],
-                                  max_running=config.max_batch * 2)
+                                  max_running=config.max_batch * 2, reply_rule=rule)
         handler.policy = config.policy
         holder["handler"] = handler
         return handler

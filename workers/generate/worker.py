@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 from aiokafka import TopicPartition
 
 from schemas import (ChunkError, DecodeError, GenerateChunk, GenerateLogProbs, GenerateRequest,
@@ -21,6 +22,7 @@ from schemas import (ChunkError, DecodeError, GenerateChunk, GenerateLogProbs, G
 from workers.kafka.loop import ConsumerLoop
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
 from workers.metrics import CHUNKS, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TOKENS, TTFT, series
 
@@ -62,7 +64,7 @@ class InFlight:
     last_token_at: float | None = None
 
 
-def first_chunk_fields(request: GenerateRequest, prompt_logprobs=None) -> dict:
+def first_chunk_fields(request: GenerateRequest, prompt_logprobs=None, request_offset: int | None = None) -> dict:
     """What chunk seq 0 carries besides tokens: prompt facts and the pass-through options."""
     return dict(
         prompt_token_count=len(request.prompt_token_ids),
@@ -70,13 +72,16 @@ def first_chunk_fields(request: GenerateRequest, prompt_logprobs=None) -> dict:
         prompt_logprobs=prompt_logprobs,
         output=request.output,
         reply_topic=request.reply_topic,
+        request_offset=request_offset,
     )
 
 
 class GenerateHandler:
     def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
-                 engine_thread, *, max_running: int, policy: ChunkPolicy | None = None):
+                 engine_thread, *, max_running: int, policy: ChunkPolicy | None = None,
+                 reply_rule: ReplyTopicRule | None = None):
         self.settings = settings
+        self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.publisher = publisher
         self.consumer_loop = consumer_loop
         self.engine = engine_thread
@@ -111,6 +116,11 @@ class GenerateHandler:
         except DecodeError as exc:
             await self._to_dlq(message, tp, str(exc))
             return
+        if request.reply_topic is not None:
+            problem = self.reply_rule.problem(request.reply_topic)
+            if problem is not None:  # answered on the default results topic, never the named one
+                await self._reject(msgspec.structs.replace(request, reply_topic=None), tp, message.offset, problem)
+                return
         series(REQUESTS, W, "accepted").inc()
         if request.request_id in self.inflight:
             # The same request twice at once (a producer retry): the running one answers.
@@ -245,7 +255,7 @@ class GenerateHandler:
                       if request.sampling.logprobs is not None and token_ids else None),
             finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
         if state.seq == 0:
-            for name, value in first_chunk_fields(request, state.prompt_logprobs).items():
+            for name, value in first_chunk_fields(request, state.prompt_logprobs, state.offset).items():
                 setattr(chunk, name, value)
         return chunk
 

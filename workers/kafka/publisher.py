@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from workers.kafka.records import Outgoing, dlq_headers
 
@@ -23,6 +25,24 @@ log = logging.getLogger(__name__)
 # broker after the work was done, and its request would never finish: workers check
 # `fits()` first and publish something smaller (a cut chunk, an error) instead.
 MAX_RECORD_BYTES = 1_000_000
+
+
+# How long a worker waits to learn whether a topic exists. aiokafka alone waits its whole
+# request timeout and then raises, which stopped the derender on a reply topic with a
+# typo (and again after every restart: a crash loop); a lookup is bounded by this and a
+# missing topic is remembered for UNKNOWN_TOPIC_RECHECK_S, so a stream of records naming
+# it costs one metadata request, not one wait each.
+METADATA_WAIT_S = 5.0
+UNKNOWN_TOPIC_RECHECK_S = 10.0
+_UNKNOWN_TOPICS_KEPT = 10_000
+
+
+class TopicUnavailable(Exception):
+    """The topic does not exist (or this client may not see it): nothing was sent."""
+
+    def __init__(self, topic: str):
+        super().__init__(f"topic {topic!r} does not exist (or this worker may not write to it)")
+        self.topic = topic
 
 
 def request_size_for(max_record_bytes: int) -> int:
@@ -39,21 +59,51 @@ class Publisher:
         self.published = 0
         self.failed = 0
         self._partitions: dict[str, int] = {}
+        self._unknown: dict[str, float] = {}  # topic -> when to look again
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
 
     async def partition_count(self, topic: str) -> int:
+        """The topic's partition count; 0 when it does not exist or the broker did not say
+        within METADATA_WAIT_S. Never raises."""
         count = self._partitions.get(topic)
-        if count is None:
-            partitions = await self.producer.partitions_for(topic)
-            count = len(partitions or ())
+        if count:
+            return count
+        now = time.monotonic()
+        if self._unknown.get(topic, 0.0) > now:
+            return 0
+        count = await self._lookup(topic)
+        if count:
             self._partitions[topic] = count
+            self._unknown.pop(topic, None)
+        else:
+            if len(self._unknown) >= _UNKNOWN_TOPICS_KEPT:
+                self._unknown.clear()
+            self._unknown[topic] = now + UNKNOWN_TOPIC_RECHECK_S
         return count
 
+    async def _lookup(self, topic: str) -> int:
+        known = self.producer.client.cluster.partitions_for_topic(topic)
+        if known:
+            return len(known)
+        # One metadata request for every topic, bounded; it names no topic, so it never
+        # makes a broker with auto-create on create one.
+        try:
+            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), METADATA_WAIT_S)
+        except (asyncio.TimeoutError, KafkaError) as exc:
+            log.warning("could not look up topic %r: %r", topic, exc)
+            return 0
+        return len(cluster.partitions_for_topic(topic) or ())
+
     async def publish(self, record: Outgoing) -> asyncio.Future:
+        """Hand one record to the producer. Raises TopicUnavailable (quickly) when its
+        topic does not exist; the future fails if the broker refuses the record."""
+        count = await self.partition_count(record.topic)
+        if not count:
+            raise TopicUnavailable(record.topic)
         partition = record.partition
-        if partition is not None and partition >= await self.partition_count(record.topic):
+        if partition is not None and partition >= count:
             partition = None  # a reply topic with fewer partitions: fall back to key hashing
         future = await self.producer.send(
             record.topic, record.kafka_value(), key=record.key.encode(),

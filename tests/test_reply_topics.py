@@ -1,0 +1,158 @@
+"""Reply topics are client-written: a rule says which ones a request may name, and no
+reply topic (missing, forbidden, not even a name) can stop or stall a worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from schemas import ErrorResponse, GenerateRequest, OutputOptions, SamplingParams
+from tests.derender_support import make_chunks
+from tests.kafka_helpers import read_topic
+from workers.client import decode_result
+from workers.kafka.records import HEADER_FINAL
+from workers.kafka.reply_topics import ReplyTopicPatternError, reply_topic_rule
+
+
+# --- the rule (pure) ---------------------------------------------------------------------
+
+
+def test_default_rule_allows_results_and_reply_topics_only():
+    rule = reply_topic_rule("acme")
+    assert rule.problem("acme.results") is None
+    assert rule.problem("acme.reply.team-a") is None
+    for own in ("acme.requests", "acme.chunks", "acme.cancel", "acme.dlq"):
+        assert "one of this deployment's own topics" in rule.problem(own)
+    for other in ("other.results", "acme.reply.", "acmexresults", "acme.results2", "__consumer_offsets"):
+        problem = rule.problem(other)
+        assert problem is not None and problem.startswith(f"reply_topic {other!r} is not allowed")
+    assert rule.problem("bad topic!").startswith("reply_topic is not a valid Kafka topic name")
+    assert rule.problem("x" * 250).startswith("reply_topic is not a valid Kafka topic name")
+
+
+def test_prefix_is_literal_in_the_pattern():
+    rule = reply_topic_rule("a.b")  # the dot of a prefix matches only a dot
+    assert rule.problem("a.b.reply.t") is None
+    assert rule.problem("aXb.reply.t") is not None
+
+
+def test_custom_pattern_still_never_allows_the_input_topics():
+    rule = reply_topic_rule("acme", r"{prefix}\..*")
+    assert rule.problem("acme.anything") is None
+    assert rule.problem("acme.requests") is not None and rule.problem("acme.chunks") is not None
+
+
+def test_a_pattern_that_does_not_compile_is_a_clear_error():
+    with pytest.raises(ReplyTopicPatternError, match="is not a regular expression"):
+        reply_topic_rule("acme", "(")
+
+
+def test_worker_commands_refuse_a_bad_pattern_as_usage(capsys):
+    from workers.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["derender-worker", "--reply-topic-pattern", "("])
+    assert exc.value.code == 2
+    assert "is not a regular expression" in capsys.readouterr().err
+
+
+# --- live workers ---------------------------------------------------------------------------
+
+
+def _errors_by_request(records) -> dict[str, ErrorResponse]:
+    out = {}
+    for record in records:
+        value = decode_result(record.value, record.headers)
+        if isinstance(value, ErrorResponse):
+            assert HEADER_FINAL in dict(record.headers)
+            out[record.key.decode()] = value
+    return out
+
+
+@pytest.mark.kafka
+async def test_derender_answers_bad_reply_topics_on_the_default_topic_and_keeps_running(
+        kafka_settings, make_topics, tiny_model_dir):
+    """On the old code the first chunk naming a missing reply topic stopped the worker
+    (UnknownTopicOrPartitionError after ~60 s), and every restart died on it again."""
+    from tests.test_derender_worker import produce_chunks, start_worker
+    from workers.kafka.clients import make_admin
+    from aiokafka.admin import NewTopic
+
+    await make_topics(kafka_settings, partitions=2)
+    prefix = kafka_settings.topic_prefix
+    team = f"{prefix}.reply.team"
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(team, 1, 1)])
+    finally:
+        await admin.close()
+    stream = OutputOptions(kind="completion", stream=True)
+    topics = {"missing": f"{prefix}.reply.typo", "own": f"{prefix}.chunks", "other": "elsewhere.results",
+              "invalid": "bad topic!", "team": team, "default": None}
+    requests = {name: make_chunks(name, [5, 6, 7, 8], [2, 2], output=stream, prompt_tail=[1])
+                for name in topics}
+    for name, topic in topics.items():
+        for chunk in requests[name]:
+            chunk.reply_topic = topic
+    chunks = [chunk for name in topics for chunk in requests[name]]
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, chunks, {name: i % 2 for i, name in enumerate(topics)})
+        wanted = {"missing", "own", "other", "invalid", "default"}
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60, until=lambda rs: wanted
+                                   <= {r.key.decode() for r in rs if HEADER_FINAL in dict(r.headers)})
+        team_records = await read_topic(kafka_settings, team, timeout=30, until=lambda rs: any(
+            HEADER_FINAL in dict(r.headers) for r in rs))
+        assert not task.done(), "the derender worker stopped"
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 30) == 0
+    errors = _errors_by_request(records)
+    assert set(errors) == {"missing", "own", "other", "invalid"}
+    for name in errors:
+        assert errors[name].error.type == "invalid_request_error"
+        assert "reply_topic" in errors[name].error.message
+    assert "does not exist" in errors["missing"].error.message
+    assert "own topics" in errors["own"].error.message
+    assert "not allowed" in errors["other"].error.message
+    assert "not a valid Kafka topic name" in errors["invalid"].error.message
+    assert {r.key.decode() for r in team_records} == {"team"}
+    # Exactly one final per request on the default topic; nothing was written to the chunks topic.
+    finals = [r.key.decode() for r in records if HEADER_FINAL in dict(r.headers)]
+    assert sorted(finals) == sorted(wanted)
+    own = await read_topic(kafka_settings, f"{prefix}.chunks", until=lambda rs: len(rs) >= len(chunks))
+    assert len(own) == len(chunks)
+
+
+@pytest.mark.kafka
+async def test_generate_refuses_a_forbidden_reply_topic_and_answers_on_the_default_topic(
+        kafka_settings, make_topics, tiny_model_dir):
+    from tests.test_generate_worker import produce, request_record, start_worker
+    from tests.kafka_helpers import chunks_finished
+    from workers.generate.engine import Engine
+    from workers.kafka.records import decode_message
+    from schemas import GenerateChunk
+
+    await make_topics(kafka_settings, partitions=1)
+    engine = Engine(str(tiny_model_dir), max_batch=4)
+    forbidden = GenerateRequest(request_id="forbidden", prompt_token_ids=[1, 5, 6], reply_topic=kafka_settings.topic("requests"),
+                                sampling=SamplingParams(max_tokens=3))
+    fine = GenerateRequest(request_id="fine", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [request_record(forbidden), request_record(fine)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({"forbidden", "fine"}))
+    finally:
+        stop.set()
+    await asyncio.wait_for(task, 30)
+    chunks = {c.request_id: c for c in (decode_message(r, GenerateChunk) for r in records) if c.finish_reason}
+    assert chunks["forbidden"].finish_reason == "error"
+    assert chunks["forbidden"].reply_topic is None  # the error goes to the default topic
+    assert "one of this deployment's own topics" in chunks["forbidden"].error.message
+    assert chunks["fine"].finish_reason == "length"
+    # Nothing was written to the requests topic but our two requests.
+    own = await read_topic(kafka_settings, kafka_settings.topic("requests"), until=lambda rs: len(rs) >= 2)
+    assert len(own) == 2

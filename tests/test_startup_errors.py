@@ -1,0 +1,79 @@
+"""A worker that cannot start says why in one line (exit 2: what the user gave; 1: run
+time), never with a library's traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workers.cli import main
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_generate_worker_with_a_missing_model_directory(capsys):
+    # Before: transformers' "Repo id must use alphanumeric chars..." at the end of a traceback.
+    assert main(["generate-worker", "--model", "/nonexistent/model"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("genpipe generate-worker: error: --model /nonexistent/model")
+    assert "does not exist" in line
+
+
+def test_generate_worker_with_a_directory_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    assert main(["generate-worker", "--model", str(tmp_path)]) == 2
+    assert "no config.json in it: not a Hugging Face model directory" in one_error_line(capsys)
+    assert main(["generate-worker", "--model", str(tmp_path / "notes.txt")]) == 2
+    assert "not a directory" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
+def test_generate_worker_with_an_unreadable_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").chmod(0)
+    assert main(["generate-worker", "--model", str(tmp_path)]) == 2
+    assert "not readable" in one_error_line(capsys)
+
+
+def test_generate_worker_with_a_broken_model_is_one_runtime_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert main(["generate-worker", "--model", str(tmp_path), "--engine-in", "thread",
+                 "--bootstrap-servers", "127.0.0.1:1"]) == 1
+    line = one_error_line(capsys)
+    assert line.startswith(f"genpipe generate-worker: error: cannot load the model {tmp_path}:")
+
+
+def test_generate_worker_on_cuda_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["generate-worker", "--device", "cuda"]) == 2
+    assert "no CUDA GPU is visible" in one_error_line(capsys)
+    assert main(["generate-worker", "--device", "tpu7"]) == 2
+    assert "--device" in one_error_line(capsys)
+
+
+def test_derender_worker_with_a_model_path_that_is_not_there(capsys):
+    assert main(["derender-worker", "--tokenizer", "path/to/model"]) == 2
+    assert "--tokenizer path/to/model: the tokenizer directory does not exist" in one_error_line(capsys)
+
+
+def test_derender_worker_with_an_unreachable_broker(tiny_model_dir):
+    run = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "derender-worker", "--bootstrap-servers", "127.0.0.1:1",
+         "--tokenizer", str(tiny_model_dir)],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr and "Unclosed" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("genpipe derender-worker: error:")]
+    assert len(errors) == 1 and "cannot reach Kafka at 127.0.0.1:1" in errors[0], run.stderr

@@ -1,0 +1,54 @@
+"""Who is consuming: the live members of the workers' consumer groups.
+
+`genpipe submit` uses it to tell a user at once that no generate or derender worker is
+running, instead of a silent wait for its timeout.
+
+aiokafka (0.14) pairs DescribeGroups request v3 with the v2 response layout, which lacks
+the v3 `authorized_operations` field; Kafka 4 brokers no longer serve v0, so the
+version negotiated is v3 and every describe fails with "Buffer underrun decoding
+string". Pairing v3 with its own response layout is the whole fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka.errors import KafkaError
+from aiokafka.protocol import admin as _protocol
+
+from workers.kafka.clients import make_admin
+from workers.kafka.settings import KafkaSettings
+
+if getattr(_protocol, "DescribeGroupsResponse_v3", None) is not None and \
+        _protocol.DescribeGroupsRequest_v3.RESPONSE_TYPE is not _protocol.DescribeGroupsResponse_v3:
+    _protocol.DescribeGroupsRequest_v3.RESPONSE_TYPE = _protocol.DescribeGroupsResponse_v3
+
+
+async def group_members(settings: KafkaSettings, group_ids: list[str], timeout_s: float = 10.0) -> dict[str, int]:
+    """Live members of each group (0 for a group that is empty or does not exist).
+    Raises KafkaError / asyncio.TimeoutError when the broker cannot say."""
+    admin = make_admin(settings.with_client_id(f"{settings.client_id}-groups"))
+    await asyncio.wait_for(admin.start(), timeout_s)
+    try:
+        responses = await asyncio.wait_for(admin.describe_consumer_groups(group_ids), timeout_s)
+    finally:
+        await admin.close()
+    members = {group_id: 0 for group_id in group_ids}
+    for response in responses:
+        for group in response.groups:
+            error_code, group_id, _state, _protocol_type, _assignor, group_members_ = group[:6]
+            if error_code == 0 and group_id in members:
+                members[group_id] = len(group_members_)
+    return members
+
+
+async def missing_workers(settings: KafkaSettings) -> list[str]:
+    """The default worker groups of this prefix that have no member right now, as phrases
+    for a user ("no generate worker"); [] when both have members or the broker cannot say."""
+    groups = {f"{settings.topic_prefix}-generate": "generate", f"{settings.topic_prefix}-derender": "derender"}
+    try:
+        members = await group_members(settings, list(groups))
+    except (KafkaError, asyncio.TimeoutError, OSError):
+        return []
+    return [f"no {role} worker (consumer group {group} has no members)"
+            for group, role in groups.items() if not members.get(group)]

@@ -1,0 +1,60 @@
+"""Which topics a request may name as its `reply_topic` (docs/design.md, "Security").
+
+A request's `reply_topic` is written by a client, so it is hostile until checked: without
+a rule, any client could make the derender workers write results into the deployment's
+own input topics, another deployment's topics, or (with broker auto-create on) new
+topics. Both workers apply the same pure rule: generate answers a request that breaks it
+with an `invalid_request_error` on the default results topic, and derender checks chunks
+again before it publishes (defence in depth: a chunk may come from elsewhere).
+
+The default allows `<prefix>.results` and `<prefix>.reply.<anything>`: a tenant gets a
+private reply topic by creating `<prefix>.reply.<tenant>` and, with broker ACLs, reading
+rights on it for that tenant alone (README, "Security").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from workers.kafka.settings import TOPIC_ROLES
+
+DEFAULT_PATTERN = r"{prefix}\.results|{prefix}\.reply\..+"
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+class ReplyTopicPatternError(ValueError):
+    """A configured pattern that is not a regular expression."""
+
+
+@dataclass(frozen=True)
+class ReplyTopicRule:
+    prefix: str
+    pattern: str  # as configured, with {prefix} in it
+    compiled: re.Pattern
+    own_topics: frozenset[str]  # never a reply topic, whatever the pattern says
+
+    def problem(self, topic: str) -> str | None:
+        """Why `topic` may not be a reply topic (one sentence naming the parameter), or None."""
+        if not _TOPIC_NAME.fullmatch(topic):
+            return f"reply_topic is not a valid Kafka topic name: {topic[:300]!r}"
+        if topic in self.own_topics:
+            return (f"reply_topic {topic!r} is one of this deployment's own topics; results go to "
+                    f"{self.prefix}.results or a topic matching {self.pattern.replace('{prefix}', self.prefix)!r}")
+        if not self.compiled.fullmatch(topic):
+            return (f"reply_topic {topic!r} is not allowed by this deployment: it must match "
+                    f"{self.pattern.replace('{prefix}', self.prefix)!r} (leave it out to get results "
+                    f"on {self.prefix}.results)")
+        return None
+
+
+def reply_topic_rule(prefix: str, pattern: str | None = None) -> ReplyTopicRule:
+    """The rule for a deployment; `{prefix}` in `pattern` stands for the topic prefix
+    (escaped). Raises ReplyTopicPatternError for a pattern that does not compile."""
+    pattern = pattern or DEFAULT_PATTERN
+    try:
+        compiled = re.compile(pattern.replace("{prefix}", re.escape(prefix)))
+    except re.error as exc:
+        raise ReplyTopicPatternError(f"--reply-topic-pattern {pattern!r} is not a regular expression: {exc}") from None
+    own = frozenset(f"{prefix}.{role}" for role in TOPIC_ROLES if role != "results")
+    return ReplyTopicRule(prefix, pattern, compiled, own)
