@@ -429,7 +429,7 @@ class GenpipeClient:
         await self.close()
 
     async def start(self) -> None:
-        from workers.kafka.clients import make_consumer, make_producer
+        from workers.kafka.clients import make_consumer, make_producer, start_client
         from workers.kafka.follow import assign_all
 
         if self._producer is not None:
@@ -437,7 +437,7 @@ class GenpipeClient:
         producer = make_producer(self.settings)
         consumer = None
         try:
-            await producer.start()
+            await start_client(producer, self.settings)
             # The default fetch wait: a reply landing ends a waiting fetch at once, and an
             # idle client then asks the broker twice a second, not a hundred times.
             consumer = make_consumer(self.settings, group_id=None, auto_offset_reset="latest")

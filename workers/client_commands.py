@@ -269,6 +269,7 @@ async def _submit(args: argparse.Namespace, request) -> int:
 
     from workers.client import (GenpipeClient, GenpipeError, assemble, raise_for_error, record_json,
                                 text_of)
+    from workers.kafka.clients import KafkaUnreachable
     from workers.kafka.settings import KafkaSettings
 
     settings = KafkaSettings.from_args(args, client_id="genpipe-submit")
@@ -311,6 +312,9 @@ async def _submit(args: argparse.Namespace, request) -> int:
             out.write("\n")
         message = str(exc) if exc.type == "timeout" else f"error ({exc.type}): {exc.message}"
         print(f"genpipe submit: {_one_line(Exception(message))}", file=err)
+        return 1
+    except KafkaUnreachable as exc:  # says where and why already
+        print(f"genpipe submit: {_one_line(exc)}", file=err)
         return 1
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe submit: Kafka at {settings.bootstrap_servers}: {_one_line(exc)}", file=err)

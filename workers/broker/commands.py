@@ -33,12 +33,20 @@ def register(subparsers) -> None:
                        help="client (PLAINTEXT) port on 127.0.0.1 (default %(default)s)")
         p.add_argument("--data-dir", default=None,
                        help="broker directory: config, pid file, log and KRaft data "
-                            "(default ${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/broker-PORT)")
+                            "(default ${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/broker-PORT, "
+                            "or broker-PORT-secure with --secure)")
+        p.add_argument("--secure", action="store_true",
+                       help="a broker with TLS (SASL_SSL on PORT, certificates made locally), SASL/SCRAM "
+                            "users (admin, generate, derender, client, stranger) and ACLs enforced; "
+                            "also uses PORT+2. `up` prints each user's settings and grants the "
+                            "deployment's ACLs for --topic-prefix (README, Security)")
         if action == "up":
             p.add_argument("--controller-port", type=int, default=None,
                            help="KRaft controller port on 127.0.0.1 (default PORT+1)")
             p.add_argument("--timeout", type=float, default=60,
                            help="seconds to wait for the broker to answer (default %(default)s)")
+            p.add_argument("--topic-prefix", default="genpipe",
+                           help="with --secure: the deployment whose ACLs to grant (default %(default)s)")
         p.set_defaults(func=func)
 
     topics = subparsers.add_parser(
@@ -73,9 +81,11 @@ def _broker_up(args: argparse.Namespace) -> int:
 
     try:
         info = broker_up(port=args.port, controller_port=args.controller_port,
-                         data_dir=args.data_dir, timeout=args.timeout)
+                         data_dir=args.data_dir, timeout=args.timeout, secure=args.secure)
     except BrokerError as exc:
         return _fail(str(exc))
+    if args.secure:
+        return _secure_up(args, info)
     if info.reused and info.pid is None:
         print(f"broker already answering on {info.bootstrap_servers} — reusing it "
               "(not started by genpipe here; `genpipe broker down` will not stop it)")
@@ -88,11 +98,34 @@ def _broker_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _secure_up(args: argparse.Namespace, info) -> int:
+    from workers.broker.secure import MECHANISM, SecureBrokerError, acls_for, grant_now
+
+    files, prefix = info.secure, args.topic_prefix
+    try:
+        grant_now(files.settings("admin", info.port), acls_for(prefix, clients={"client": "client"}))
+    except (SecureBrokerError, OSError) as exc:
+        return _fail(f"granting the ACLs of {prefix!r} failed: {exc}")
+    state = "reused" if info.reused else f"pid {info.pid}"
+    print(f"secure broker up on {info.bootstrap_servers} ({state}; SASL_SSL, {MECHANISM}, ACLs enforced; "
+          f"data {info.data_dir})")
+    print(f"CA certificate: {files.cafile}; passwords: {files.directory / 'users.json'}")
+    print(f"ACLs granted for topic prefix {prefix!r}: generate, derender, and client (tenant 'client', "
+          f"reply topic {prefix}.reply.client); 'stranger' has none. Each user's settings:")
+    for user in files.passwords:
+        print(f"  {user}: GENPIPE_BOOTSTRAP_SERVERS={info.bootstrap_servers} GENPIPE_SECURITY_PROTOCOL=SASL_SSL "
+              f"GENPIPE_SASL_MECHANISM={MECHANISM} GENPIPE_SASL_USERNAME={user} "
+              f"GENPIPE_SASL_PASSWORD={files.passwords[user]} GENPIPE_SSL_CAFILE={files.cafile}")
+    print(f"create the topics as admin: <admin's settings> genpipe topics create --topic-prefix {prefix}, "
+          f"and each tenant's reply topic (e.g. {prefix}.reply.client) the same way")
+    return 0
+
+
 def _broker_down(args: argparse.Namespace) -> int:
     from workers.broker.local import BrokerError, broker_down
 
     try:
-        print(broker_down(port=args.port, data_dir=args.data_dir))
+        print(broker_down(port=args.port, data_dir=args.data_dir, secure=args.secure))
     except BrokerError as exc:
         return _fail(str(exc))
     return 0
@@ -102,7 +135,7 @@ def _broker_status(args: argparse.Namespace) -> int:
     """Exit 0 when a broker answers (ours or not), 1 otherwise, so scripts can test it."""
     from workers.broker.local import HOST, broker_status
 
-    st = broker_status(port=args.port, data_dir=args.data_dir)
+    st = broker_status(port=args.port, data_dir=args.data_dir, secure=args.secure)
     where = f"{HOST}:{st.port}"
     print({
         "running": f"broker running on {where} (pid {st.pid}, data {st.data_dir})",

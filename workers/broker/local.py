@@ -24,6 +24,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.broker.secure import SecureFiles
 
 HOST = "127.0.0.1"
 DEFAULT_PORT = 9092
@@ -49,6 +53,7 @@ class BrokerInfo:
     pid: int | None  # None when the broker answering is not one we started
     reused: bool  # True when something already answered and we started nothing
     log_file: Path
+    secure: "SecureFiles | None" = None  # --secure: certificates and users (broker/secure.py)
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,11 @@ def libs_dir() -> Path:
     return cache_root() / "kafka" / kafka_version() / "libs"
 
 
-def default_data_dir(port: int, data_dir: str | Path | None = None) -> Path:
+def default_data_dir(port: int, data_dir: str | Path | None = None, secure: bool = False) -> Path:
     # Absolute, because the pid check compares it with the broker's command line.
-    return Path(data_dir).expanduser().resolve() if data_dir else cache_root() / f"broker-{port}"
+    if data_dir:
+        return Path(data_dir).expanduser().resolve()
+    return cache_root() / (f"broker-{port}-secure" if secure else f"broker-{port}")
 
 
 def ensure_jars(quiet: bool = False) -> Path:
@@ -142,12 +149,12 @@ def _run_coro(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-async def _list_topics(port: int, timeout_s: float) -> list[str]:
+async def _list_topics(port: int, timeout_s: float, settings=None) -> list[str]:
     from aiokafka.admin import AIOKafkaAdminClient
 
     from workers.kafka.settings import KafkaSettings
 
-    settings = KafkaSettings(bootstrap_servers=f"{HOST}:{port}", client_id="genpipe-broker-probe")
+    settings = settings or KafkaSettings(bootstrap_servers=f"{HOST}:{port}", client_id="genpipe-broker-probe")
     admin = AIOKafkaAdminClient(**settings.client_kwargs(),
                                 request_timeout_ms=int(timeout_s * 1000))
     try:
@@ -157,12 +164,13 @@ async def _list_topics(port: int, timeout_s: float) -> list[str]:
         await admin.close()
 
 
-def answers(port: int, timeout: float = 3.0) -> bool:
-    """True when a Kafka broker on 127.0.0.1:port answers a metadata request."""
+def answers(port: int, timeout: float = 3.0, settings=None) -> bool:
+    """True when a Kafka broker on 127.0.0.1:port answers a metadata request (made with
+    `settings` when given: a secured broker answers only its users)."""
     if not _port_open(port):
         return False  # fast path: nothing listening, skip the Kafka client entirely
     try:
-        _run_coro(_list_topics(port, timeout))
+        _run_coro(_list_topics(port, timeout, settings))
         return True
     except Exception:  # any failure means "not usable as Kafka right now"
         return False
@@ -257,14 +265,14 @@ def _java_cmd(libs: Path, main: str, *args: str, log_level: str = "ERROR") -> li
             "-cp", f"{libs}/*", main, *args]
 
 
-def _format_storage(libs: Path, data_dir: Path) -> None:
+def _format_storage(libs: Path, data_dir: Path, extra: list[str] = ()) -> None:
     """Format the KRaft log dir on first start (meta.properties absent)."""
     if (data_dir / "kraft" / "meta.properties").exists():
         return
     props = data_dir / "server.properties"
     # Log level ERROR: at INFO the format step dumps the whole KafkaConfig.
     cmd = _java_cmd(libs, "kafka.tools.StorageTool", "format",
-                    "-t", _cluster_id(), "-c", str(props), "--ignore-formatted")
+                    "-t", _cluster_id(), "-c", str(props), "--ignore-formatted", *extra)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BrokerError(f"formatting Kafka storage in {data_dir / 'kraft'} failed:\n"
@@ -273,31 +281,42 @@ def _format_storage(libs: Path, data_dir: Path) -> None:
 
 def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
               data_dir: str | Path | None = None, timeout: float = 60,
-              quiet: bool = False) -> BrokerInfo:
-    """Start a broker on 127.0.0.1:port, or reuse whatever Kafka already answers there."""
+              quiet: bool = False, secure: bool = False) -> BrokerInfo:
+    """Start a broker on 127.0.0.1:port, or reuse whatever Kafka already answers there.
+    `secure`: SASL_SSL with SCRAM users and ACLs (workers/broker/secure.py); it also
+    takes PORT+2 for the broker's own SASL_PLAINTEXT listener."""
     controller_port = controller_port or port + 1
-    data_dir = default_data_dir(port, data_dir)
+    data_dir = default_data_dir(port, data_dir, secure)
     log_file = data_dir / "broker.log"
     bootstrap = f"{HOST}:{port}"
+    files = probe = None
+    if secure:
+        from workers.broker import secure as sec
+
+        files = sec.prepare(data_dir)
+        probe = files.settings("admin", port)
 
     pid = _read_pid(data_dir) if data_dir.exists() else None
     if pid is None and _port_open(port):
-        if answers(port, timeout=5):
-            return BrokerInfo(bootstrap, port, controller_port, data_dir, None, True, log_file)
-        raise BrokerError(f"{bootstrap} is in use by something that does not answer as Kafka")
+        if answers(port, timeout=5, settings=probe):
+            return BrokerInfo(bootstrap, port, controller_port, data_dir, None, True, log_file, files)
+        raise BrokerError(f"{bootstrap} is in use by something that does not answer as Kafka"
+                          + (" to this data dir's admin user" if secure else ""))
     if pid is not None:
         # Our broker (maybe still starting, e.g. a concurrent `up`): wait, don't duplicate.
-        _wait_ready(port, pid, data_dir, timeout)
-        return BrokerInfo(bootstrap, port, controller_port, data_dir, pid, True, log_file)
+        _wait_ready(port, pid, data_dir, timeout, probe)
+        return BrokerInfo(bootstrap, port, controller_port, data_dir, pid, True, log_file, files)
     if _port_open(controller_port):
         raise BrokerError(f"controller port {HOST}:{controller_port} is already in use "
                           "(choose another with --controller-port)")
 
     libs = ensure_jars(quiet=quiet)
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "server.properties").write_text(SERVER_PROPERTIES.format(
-        host=HOST, port=port, cport=controller_port, log_dir=data_dir / "kraft"))
-    _format_storage(libs, data_dir)
+    properties = SERVER_PROPERTIES.format(host=HOST, port=port, cport=controller_port, log_dir=data_dir / "kraft")
+    if secure:
+        properties = sec.server_properties(properties, files, port, port + 2)
+    (data_dir / "server.properties").write_text(properties)
+    _format_storage(libs, data_dir, sec.format_arguments(files) if secure else [])
 
     if log_file.exists():  # keep the previous run's log for post-mortems
         log_file.replace(log_file.with_suffix(".log.1"))
@@ -311,17 +330,17 @@ def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
     _CHILDREN[proc.pid] = proc
     (data_dir / "broker.pid").write_text(f"{proc.pid}\n")
     try:
-        _wait_ready(port, proc.pid, data_dir, timeout)
+        _wait_ready(port, proc.pid, data_dir, timeout, probe)
     except BrokerError:
         _stop_pid(proc.pid, grace=10)
         (data_dir / "broker.pid").unlink(missing_ok=True)
         raise
-    return BrokerInfo(bootstrap, port, controller_port, data_dir, proc.pid, False, log_file)
+    return BrokerInfo(bootstrap, port, controller_port, data_dir, proc.pid, False, log_file, files)
 
 
-def _wait_ready(port: int, pid: int, data_dir: Path, timeout: float) -> None:
+def _wait_ready(port: int, pid: int, data_dir: Path, timeout: float, probe=None) -> None:
     deadline = time.monotonic() + timeout
-    while not answers(port, timeout=2):
+    while not answers(port, timeout=2 if probe is None else 5, settings=probe):
         if not _pid_alive(pid) or time.monotonic() > deadline:
             why = ("the broker process exited during start-up" if not _pid_alive(pid) else
                    f"the broker did not answer on {HOST}:{port} within {timeout:.0f} s")
@@ -354,9 +373,9 @@ def _stop_pid(pid: int, grace: float) -> bool:
 
 
 def broker_down(port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
-                grace: float = 30) -> str:
+                grace: float = 30, secure: bool = False) -> str:
     """Stop the broker recorded in the data dir's pid file; return a message."""
-    data_dir = default_data_dir(port, data_dir)
+    data_dir = default_data_dir(port, data_dir, secure)
     pid_file = data_dir / "broker.pid"
     if not pid_file.exists():
         note = (" (a Kafka broker does answer there, but genpipe did not start it)"
@@ -371,10 +390,16 @@ def broker_down(port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
     return f"broker on {HOST}:{port} (pid {pid}) {how}"
 
 
-def broker_status(port: int = DEFAULT_PORT, data_dir: str | Path | None = None) -> BrokerStatus:
-    data_dir = default_data_dir(port, data_dir)
+def broker_status(port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
+                  secure: bool = False) -> BrokerStatus:
+    data_dir = default_data_dir(port, data_dir, secure)
     pid = _read_pid(data_dir) if data_dir.exists() else None
-    answering = answers(port)
+    probe = None
+    if secure and (data_dir / "secure" / "users.json").exists():
+        from workers.broker.secure import prepare
+
+        probe = prepare(data_dir).settings("admin", port)
+    answering = answers(port, settings=probe)
     ours = pid is not None
     state = ("running" if ours else "foreign") if answering else ("starting" if ours else "stopped")
     return BrokerStatus(state, port, pid, data_dir)

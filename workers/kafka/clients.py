@@ -14,8 +14,11 @@ second, which on a shared box cost the engine ~10% of its tokens/s (engine (c)).
 
 from __future__ import annotations
 
+import logging
+
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
 
 from workers.kafka.settings import KafkaSettings
 
@@ -52,3 +55,56 @@ def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, *
 def make_admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
     kwargs = settings.client_kwargs()
     return AIOKafkaAdminClient(**kwargs)
+
+
+class KafkaUnreachable(KafkaConnectionError):
+    """A client could not start; the message says why in one line."""
+
+    def __str__(self) -> str:  # aiokafka's errors put their class name in front
+        return str(self.args[0]) if self.args else "Kafka unreachable"
+
+
+class _Reasons(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+async def start_client(client, settings: KafkaSettings) -> None:
+    """`await client.start()`, but a failure says why. aiokafka reports a refused login, a
+    failed TLS handshake and a broker that is down alike ("Unable to bootstrap"), and
+    only logs the reason; it is caught here and named. The client is stopped on failure
+    (no "Unclosed AIOKafka..." warning after the message)."""
+    reasons = _Reasons()
+    logger = logging.getLogger("aiokafka")
+    # While starting, aiokafka's warnings come here only (a command may have silenced
+    # them; a worker's log gets the one line that names the reason instead).
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    logger.addHandler(reasons)
+    try:
+        await client.start()
+    except KafkaConnectionError as exc:
+        await client.stop() if not isinstance(client, AIOKafkaAdminClient) else await client.close()
+        raise KafkaUnreachable(_why(settings, reasons.messages, exc)) from exc
+    finally:
+        logger.removeHandler(reasons)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _why(settings: KafkaSettings, messages: list[str], exc: Exception) -> str:
+    where = f"Kafka at {settings.bootstrap_servers}"
+    text = " ".join(messages)
+    if "SaslAuthenticationFailed" in text or "Authentication failed" in text:
+        return (f"{where} refused the login of user {settings.sasl_plain_username!r} "
+                f"({settings.sasl_mechanism}): check --sasl-username / --sasl-password")
+    if "SSL" in text or "CERTIFICATE" in text.upper():
+        detail = next((m for m in messages if "SSL" in m or "certificate" in m.lower()), "")
+        return f"TLS with {where} failed: {' '.join(detail.split())[:300]} (check --ssl-cafile and --security-protocol)"
+    return (f"cannot reach {where}: {exc} (is the broker up? check --bootstrap-servers / "
+            f"GENPIPE_BOOTSTRAP_SERVERS and --security-protocol)")

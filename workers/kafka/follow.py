@@ -13,6 +13,7 @@ import time
 from typing import Awaitable, Callable
 
 from aiokafka import TopicPartition
+from aiokafka.errors import TopicAuthorizationFailedError
 
 from workers.kafka.clients import make_consumer
 from workers.kafka.settings import KafkaSettings
@@ -25,9 +26,15 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     partitions = consumer.partitions_for_topic(topic)
     while not partitions:
+        if topic in consumer._client.cluster.unauthorized_topics:
+            # Refused by the broker's ACLs: say so now, not "does not exist" in 30 s.
+            raise TopicAuthorizationFailedError(f"not authorized to read topic {topic!r}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"topic {topic!r} does not exist (create it with `genpipe topics create`)")
-        await consumer._client.force_metadata_update()  # no public call to refresh one topic
+        # No public call to refresh one topic. Tracking it makes the metadata request name
+        # it, so a topic the ACLs refuse comes back as unauthorized, not as absent.
+        await consumer._client.add_topic(topic)
+        await consumer._client.force_metadata_update()
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
             await asyncio.sleep(0.1)

@@ -12,9 +12,7 @@ import logging
 import signal
 from typing import Awaitable, Callable
 
-from aiokafka.errors import KafkaError
-
-from workers.kafka.clients import make_producer
+from workers.kafka.clients import KafkaUnreachable, make_producer, start_client
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher, request_size_for
 from workers.kafka.settings import KafkaSettings
@@ -51,12 +49,9 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     overrides = {"max_request_size": request_size_for(max_record_bytes), **(producer_overrides or {})}
     producer = make_producer(settings, **overrides)
     try:
-        await producer.start()
-    except KafkaError as exc:
-        await producer.stop()  # no "Unclosed AIOKafkaProducer" after the message
-        raise StartupError(f"cannot reach Kafka at {settings.bootstrap_servers}: {one_line(exc)} (is the broker "
-                           f"up? check --bootstrap-servers / GENPIPE_BOOTSTRAP_SERVERS and the security "
-                           f"settings)") from exc
+        await start_client(producer, settings)
+    except KafkaUnreachable as exc:
+        raise StartupError(one_line(exc)) from exc
     publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
     consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
     consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
