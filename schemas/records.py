@@ -1,6 +1,6 @@
 """The genpipe wire records: requests, chunks with integer logprobs, cancels.
 
-The Structs *are* the schema (SPEC §2–3): field names here are the wire contract read by
+The Structs *are* the schema (docs/design.md §2–3): field names here are the wire contract read by
 other tools, so change them only with a new schema version. Unknown fields are ignored
 on decode (forward compatible); required fields have no default.
 """
@@ -40,7 +40,7 @@ class OutputOptions(msgspec.Struct, kw_only=True):
     model: str | None = None
     stream: bool = False
     include_usage: bool = False  # streaming only; non-streamed results always carry usage
-    top_logprobs: int = 0  # user-facing k (SPEC §5.4)
+    top_logprobs: int = 0  # user-facing k (docs/design.md §5.4)
     stop: list[str] = msgspec.field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -88,7 +88,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Topic `<prefix>.chunks`, key = request_id. One or more sampled tokens.
 
     omit_defaults: fields at their default (the seq-0-only ones on later chunks, an
-    absent error) are left out of the record (SPEC: "absent/None"), ~25% fewer bytes.
+    absent error) are left out of the record (docs/design.md §3: seq-0-only fields are absent later), ~25% fewer bytes.
     """
 
     request_id: str

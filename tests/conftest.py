@@ -1,6 +1,6 @@
 """Shared fixtures: one Kafka broker per test session, fresh topic names per test.
 
-Kafka comes from, in order (SPEC §7):
+Kafka comes from, in order (docs/design.md §7):
 1. ``GENPIPE_BOOTSTRAP_SERVERS`` if set (any broker; GENPIPE_* SASL/SSL settings apply);
 2. testcontainers' Kafka when a Docker engine answers;
 3. the local broker from ``ops/kafka`` (``genpipe broker up``) on port 19092, started

@@ -132,7 +132,7 @@ def openai_validate(value) -> None:
       but the last (the client builds stream objects without validation).
     * `finish_reason` "abort" / "error": vLLM's extensions, outside OpenAI's Literal.
     * `null` entries in a completion's `token_logprobs` / `top_logprobs` for positions
-      whose chunk had no logprobs (SPEC §5.4, as vLLM does); OpenAI's lists allow none.
+      whose chunk had no logprobs (docs/design.md §5.4, as vLLM does); OpenAI's lists allow none.
     """
     import openai.types as ot
     import openai.types.chat as oc

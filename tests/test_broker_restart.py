@@ -1,4 +1,4 @@
-"""SPEC §6: nothing is lost when the broker restarts mid-stream.
+"""docs/design.md §6: nothing is lost when the broker restarts mid-stream.
 
 The test owns a broker of its own (the session broker serves every other test and must
 not go away), runs one generate and one derender worker *process* and a client against

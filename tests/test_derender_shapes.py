@@ -1,4 +1,4 @@
-"""OpenAI shapes (SPEC §5.4): top-k rules, completion dicts, offsets, usage, ids, and
+"""OpenAI shapes (docs/design.md §5.4): top-k rules, completion dicts, offsets, usage, ids, and
 validation of every record against the official `openai` package types."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The per-request state machine (SPEC §5.5): attempts, restarts, duplicates, bad chunks,
+"""The per-request state machine (docs/design.md §5.5): attempts, restarts, duplicates, bad chunks,
 finished ids, and the helpers the Kafka layer uses for commits."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-id tables (SPEC §5.1) and byte-fallback correction (§5.2), both tiny tokenizers."""
+"""Per-id tables (docs/design.md §5.1) and byte-fallback correction (§5.2), both tiny tokenizers."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def _interesting_ids(tables):
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_context_key_gives_the_rule_result(kind, data):
-    """Correcting against the short cache key == the SPEC rule on the last 4 sampled ids."""
+    """Correcting against the short cache key == the docs/design.md §5.2 rule on the last 4 sampled ids."""
     tables = tables_for(kind)
     pool = _interesting_ids(tables)
     hist = data.draw(st.lists(st.sampled_from(pool), max_size=7))

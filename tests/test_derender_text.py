@@ -1,4 +1,4 @@
-"""Incremental text (SPEC §5.3): seeding, hold-back, the restart trap, stop strings,
+"""Incremental text (docs/design.md §5.3): seeding, hold-back, the restart trap, stop strings,
 and a property test against the tokenizer's own full decode."""
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ async def test_hundred_concurrent_requests_through_two_of_each_worker(kafka_sett
             assert full.startswith(text) and full[len(text):].startswith(" the"), (text, full)
             assert outcome.usage.completion_tokens <= len(ids)
         else:
-            if "\ufffd" not in full:  # SPEC §5.3: equal whenever the byte pieces form valid UTF-8
+            if "\ufffd" not in full:  # docs/design.md §5.3: equal whenever the byte pieces form valid UTF-8
                 assert text == full, request.request_id
             assert outcome.usage.completion_tokens == len(ids)
         assert outcome.usage.prompt_tokens == len(request.prompt_token_ids)

@@ -1,4 +1,4 @@
-"""Integer logprobs (SPEC §3, §4): every rule against a float64 recomputation in numpy."""
+"""Integer logprobs (docs/design.md §3, §4): every rule against a float64 recomputation in numpy."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def ref_order(lp: np.ndarray) -> list[int]:
 
 
 def ref_entries(row, sampled: int, k: int) -> list[tuple[int, float, int]]:
-    """(id, logprob, rank) as the SPEC states it, for finite logits."""
+    """(id, logprob, rank) as docs/design.md §4 states it, for finite logits."""
     lp = ref_logprobs(row)
     v = len(lp)
     k = v if k == -1 else min(k, v)

@@ -29,7 +29,7 @@ GRAFANA = ROOT / "ops" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "genpipe.json"
 K8S = ROOT / "ops" / "k8s"
 
-WORKER_LABEL_VALUES = {"generate", "derender"}  # the `worker` label (SPEC §7)
+WORKER_LABEL_VALUES = {"generate", "derender"}  # the `worker` label (docs/design.md §7)
 # The dashboard must chart at least these (the metrics of workers/metrics.py at the time
 # it was written); a new metric should get a panel too.
 DASHBOARD_METRICS = {

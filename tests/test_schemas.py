@@ -54,7 +54,7 @@ CODECS = [MSGPACK, JSON]
 # --- strategies --------------------------------------------------------------------
 
 ids = st.integers(min_value=0, max_value=2**31 - 1)
-# finite floats only: the wire never carries NaN/inf (SPEC §4 clamps them)
+# finite floats only: the wire never carries NaN/inf (docs/design.md §4 clamps them)
 logprob_values = st.floats(min_value=-9999.0, max_value=0.0, allow_nan=False)
 texts = st.text(max_size=20)
 
@@ -285,7 +285,7 @@ def test_request_id_can_be_peeked_from_an_invalid_request():
 
 
 def test_nan_never_reaches_json_as_a_number():
-    # msgspec writes non-finite floats as null; our rules clamp them before (SPEC §4)
+    # msgspec writes non-finite floats as null; our rules clamp them before (docs/design.md §4)
     data = encode(GenerateLogProb(token_id=1, logprob=math.nan), JSON)
     assert b"NaN" not in data and b"Infinity" not in data
 

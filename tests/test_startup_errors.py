@@ -77,3 +77,17 @@ def test_derender_worker_with_an_unreachable_broker(tiny_model_dir):
     assert "Traceback" not in run.stderr and "Unclosed" not in run.stderr, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("genpipe derender-worker: error:")]
     assert len(errors) == 1 and "cannot reach Kafka at 127.0.0.1:1" in errors[0], run.stderr
+
+
+@pytest.mark.kafka
+def test_a_worker_whose_topics_do_not_exist_says_so_at_start(kafka_settings, tiny_model_dir, capsys):
+    # It used to start, and stop on its first publish to a missing topic (or wait forever).
+    code = main(["derender-worker", "--bootstrap-servers", kafka_settings.bootstrap_servers,
+                 "--topic-prefix", kafka_settings.topic_prefix, "--tokenizer", str(tiny_model_dir)])
+    assert code == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    p = kafka_settings.topic_prefix
+    assert errors == [
+        f"genpipe derender-worker: error: topics {p}.requests, {p}.chunks, {p}.results, {p}.cancel, {p}.dlq "
+        f"do not exist on {kafka_settings.bootstrap_servers} (or this worker may not see them): create them "
+        f"with `genpipe topics create --topic-prefix {p}`"]

@@ -16,7 +16,7 @@
 
     asyncio.run(main())
 
-How results come back (SPEC §2, §5.5, §6). A derender worker publishes a request's
+How results come back (docs/design.md §2, §5.5, §6). A derender worker publishes a request's
 results on the shared results topic (or on the request's `reply_topic`) keyed by
 request id, with headers `genpipe-attempt`, `genpipe-seq`, `genpipe-final: 1` on the
 last record and `genpipe-restart: 1` on the first record of a new attempt. Delivery is

@@ -1,4 +1,4 @@
-"""Prometheus metrics of both workers, defined once (SPEC §7, `--metrics-port`).
+"""Prometheus metrics of both workers, defined once (docs/design.md §7, `--metrics-port`).
 
 Names follow Prometheus conventions (`genpipe_<thing>_<unit>`); the `worker` label says
 which side counted. Served by prometheus_client's own HTTP server thread, so scraping

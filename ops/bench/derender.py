@@ -9,7 +9,7 @@ core. Only the derendering strategy differs:
   path (tokenizer calls only for split characters).
 * reference: what vLLM's derender does per position: one `tokenizer.decode([id])` call
   per candidate, correction of a U+FFFD string by re-decoding it with the preceding
-  sampled ids (SPEC §5.2 rule, no cache), a `{id: Logprob}` dict per position, text with
+  sampled ids (docs/design.md §5.2 rule, no cache), a `{id: Logprob}` dict per position, text with
   `tokenizers.decoders.DecodeStream` (primed with the prompt tail, restarted on the
   "Invalid prefix" error). It builds the same msgspec result Structs, so the comparison
   isolates the derendering itself (vLLM would add pydantic models on top).
@@ -140,11 +140,11 @@ class ReferenceDerender:
     def _token(self, token_id: int, context: list[int]) -> str:
         text = self._decode([token_id])
         if not text.endswith(REPLACEMENT):
-            # SPEC §5.1: a Metaspace piece keeps the space its lone decode strips.
+            # docs/design.md §5.1: a Metaspace piece keeps the space its lone decode strips.
             if self.tok.id_to_token(token_id).startswith("\u2581") and not text.startswith(" "):
                 text = " " + text
             return text
-        for n in range(1, min(4, len(context)) + 1):  # SPEC §5.2, re-decoding every time
+        for n in range(1, min(4, len(context)) + 1):  # docs/design.md §5.2, re-decoding every time
             ctx = context[-n:]
             full = self._decode(ctx + [token_id])
             if full.endswith(REPLACEMENT):

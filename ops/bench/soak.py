@@ -40,10 +40,10 @@ from workers.kafka.settings import KafkaSettings  # noqa: E402
 WORDS = "the cat sat on a warm mat while rain fell over the quiet town and 中文 café 🙂".split()
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set of a process and all its descendants (the engine child), KiB."""
+def rss_kib(pid: int, tree: bool = True) -> int:
+    """Resident set of a process and (`tree`) all its descendants (the engine child), KiB."""
     total = 0
-    for p in [pid, *descendants(pid)]:
+    for p in [pid, *(descendants(pid) if tree else [])]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -202,6 +202,7 @@ def main() -> None:
             time.sleep(0.5)  # polling a gauge: the condition is checked, not assumed
             idle = metric(ports["derender"], "genpipe_in_flight_requests", "derender")
         final = {k: rss_kib(p.pid) for k, p in procs.items()}
+        alone = rss_kib(procs["generate"].pid, tree=False)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -217,6 +218,8 @@ def main() -> None:
         print(f"{k:<10} {first[k] / 1024:>11.1f} MiB {end / 1024:>8.1f} MiB {final[k] / 1024:>6.1f} MiB "
               f"{end / first[k]:>12.3f}")
     print(f"derender open requests once idle: {idle} (goal 0)")
+    print(f"generate worker process alone {alone / 1024:.1f} MiB, its engine child "
+          f"{(final['generate'] - alone) / 1024:.1f} MiB")
     print("\nwhere a generate worker's memory goes (fresh processes, RSS):")
     for label, kib in where_memory_goes(model_dir):
         print(f"  {label:<36} {kib / 1024:8.1f} MiB")

@@ -1,4 +1,4 @@
-"""Create genpipe's five topics (SPEC §2), idempotently.
+"""Create genpipe's five topics (docs/design.md §2), idempotently.
 
 requests, chunks and results must share one partition count so a request's records
 stay on one partition number end to end; cancel and dlq simply use the same count.

@@ -1,4 +1,4 @@
-"""Byte-fallback correction of token strings (SPEC §5.2).
+"""Byte-fallback correction of token strings (docs/design.md §5.2).
 
 A token whose own string ends in U+FFFD is part of a character split over several
 tokens (a byte piece `<0xE4>`, or a byte-level token holding half of a character). Its

@@ -1,4 +1,4 @@
-"""Incremental text of one request, and stop strings (SPEC §5.3).
+"""Incremental text of one request, and stop strings (docs/design.md §5.3).
 
 `Detokenizer` works like `tokenizers.decoders.DecodeStream` (keep the ids of the last
 emitted piece as a prefix, decode prefix + pending ids, emit what the prefix did not

@@ -1,4 +1,4 @@
-"""OpenAI-shaped results from sampled ids and integer logprobs (SPEC §5.4).
+"""OpenAI-shaped results from sampled ids and integer logprobs (docs/design.md §5.4).
 
 Pure functions: they take the positions of one chunk (already validated, see state.py)
 and the request's running values, and build the result Structs directly (no dicts in

@@ -1,4 +1,4 @@
-"""Per-request state machine of the derender worker (SPEC §5.5).
+"""Per-request state machine of the derender worker (docs/design.md §5.5).
 
 `Derenderer.process(chunk)` is pure and synchronous: one decoded `GenerateChunk` in,
 a list of outputs (`Result` records to publish, `CancelRequest`s for the cancel topic)
@@ -370,7 +370,7 @@ def _other_record(finished_offset: int | None, offset: int | None) -> bool:
 
 def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
                 checked_later: int = 0) -> str | None:
-    """Why `chunk` breaks the rules, or None (pure; SPEC §5.5 "bad chunks").
+    """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
 
     `checked_later`: the first n candidates of each position are range-checked by the
     chat shaping, which looks them up anyway; only the rest are checked here.

@@ -1,4 +1,4 @@
-"""Per-id tables computed once at start-up (SPEC §5.1).
+"""Per-id tables computed once at start-up (docs/design.md §5.1).
 
 The hot path of the derender never calls the tokenizer for a clean token: it looks up
 the token's string, its UTF-8 bytes and whether it ends in U+FFFD in plain lists. The
@@ -32,7 +32,7 @@ class VocabTables:
     Attributes (index = token id):
       token_str   str the id contributes on its own (special tokens by their content)
       token_bytes UTF-8 of token_str, as a list of ints (shared; never mutate)
-      dirty       1 when token_str ends in U+FFFD (needs context, SPEC §5.2)
+      dirty       1 when token_str ends in U+FFFD (needs context, docs/design.md §5.2)
       needs_context  0 clean, 1 dirty but never completed by context, 2 look it up
       special     1 for special (added) tokens, which skip_special_tokens removes
       alone_skip / alone_keep   decode([id]) as a string with the given skip flag, i.e.

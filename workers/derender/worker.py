@@ -1,4 +1,4 @@
-"""The derender worker's Kafka logic: chunks in, OpenAI results out (SPEC §5.5).
+"""The derender worker's Kafka logic: chunks in, OpenAI results out (docs/design.md §5.5).
 
 The pure state machine (`Derenderer`) does the work; this handler feeds it records in
 partition order, publishes its outputs, and keeps the commits honest:

@@ -3,7 +3,7 @@
 `logprobs.py` does the tensor work and hands over `RowLogprobs` (plain values, the wire
 rules already applied on the device); this module turns them into the wire structs,
 where the chunk is encoded. `build_position` is the value-by-value reference of the same
-rules (SPEC §4 "Logprobs, per position") that the unit tests pin the fast paths to.
+rules (docs/design.md §4 "Logprobs, per position") that the unit tests pin the fast paths to.
 """
 
 from __future__ import annotations

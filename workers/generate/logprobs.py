@@ -1,4 +1,4 @@
-"""Integer-id logprobs for sampled and prompt tokens (SPEC §3, §4 "Logprobs, per position").
+"""Integer-id logprobs for sampled and prompt tokens (docs/design.md §3, §4 "Logprobs, per position").
 
 Device side (`topk_logprobs`): float32 log-softmax over the whole vocabulary, the
 sampled token's value and rank, and the top `k_max` ids/values: a plain float topk,

@@ -1,4 +1,4 @@
-"""The generate worker's Kafka logic: requests in, token chunks out (SPEC §4).
+"""The generate worker's Kafka logic: requests in, token chunks out (docs/design.md §4).
 
 The shared loop (workers/kafka/loop.py) consumes requests and commits; this handler
 decodes and validates them, feeds the engine thread, turns engine outputs into chunks
@@ -29,12 +29,12 @@ from workers.metrics import CHUNKS, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUEST
 log = logging.getLogger(__name__)
 
 W = "generate"  # metrics label
-PROMPT_TAIL = 8  # prompt ids sent on chunk 0 to seed the detokenizer (SPEC §3)
+PROMPT_TAIL = 8  # prompt ids sent on chunk 0 to seed the detokenizer (docs/design.md §3)
 
 
 @dataclass
 class ChunkPolicy:
-    """When to publish a request's pending tokens (SPEC §4 coalescing)."""
+    """When to publish a request's pending tokens (docs/design.md §4 coalescing)."""
 
     lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
     max_tokens: int = 16  # at most this many tokens per chunk while coalescing
@@ -220,7 +220,7 @@ class GenerateHandler:
         """All of the request's pending tokens as chunk records; the last carries
         `finish_reason`. A chunk holds at most `policy.max_tokens` tokens: they pile up
         past that while a publish is under way (steps keep coming), and are cut here
-        (SPEC §4). A chunk over the publisher's record size limit (many logprobs) is cut
+        (docs/design.md §4). A chunk over the publisher's record size limit (many logprobs) is cut
         smaller; one that cannot be (a single token's, or the prompt's logprobs) ends the
         request with an error chunk, which the broker would otherwise refuse after the
         work was done, leaving the request unanswered and its offset held for good."""
@@ -286,7 +286,7 @@ class GenerateHandler:
 
     def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
         # Same partition number as the request: one request's records stay on one
-        # partition number end to end (SPEC §2), whatever partitioner the client used.
+        # partition number end to end (docs/design.md §2), whatever partitioner the client used.
         return Outgoing(self.chunk_topic, state.request.request_id, chunk, partition=state.tp.partition)
 
     async def _publish_final(self, state: InFlight, finish_reason: str, error: ChunkError | None = None) -> None:

@@ -3,7 +3,7 @@
 The defaults are the ones token streaming needs (see NOTES.md): idempotent producer
 with acks=all and no linger (a token waits for nothing; the generate worker batches a
 whole step's chunks itself, and records queue up anyway while a request is in flight);
-consumers without auto-commit (workers commit only what is safe, SPEC §4/§5.5).
+consumers without auto-commit (workers commit only what is safe, docs/design.md §4/§5.5).
 
 Fetch wait: the broker answers a waiting fetch as soon as a record lands on any of its
 partitions, so a long wait costs no latency (measured: 5 and 500 ms give the same token

@@ -1,7 +1,7 @@
 """Publishing records and knowing when the broker has them.
 
 `publish()` returns a future that resolves when the broker acknowledged the record;
-workers release an offset only then (SPEC §4: commit only past acknowledged work).
+workers release an offset only then (docs/design.md §4: commit only past acknowledged work).
 `in_flight` counts unacknowledged records: the generate worker coalesces tokens while
 it is high (the producer lags), and streams token by token while it is low.
 """

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from workers.kafka.clients import KafkaUnreachable, make_producer, start_client
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher, request_size_for
-from workers.kafka.settings import KafkaSettings
+from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,15 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     except KafkaUnreachable as exc:
         raise StartupError(one_line(exc)) from exc
     publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
+    # The deployment's own topics must exist: a worker that finds one missing only when it
+    # first publishes there would stop mid-work; say it now, in one line.
+    missing = [t for t in (settings.topic(role) for role in TOPIC_ROLES) if not await publisher.partition_count(t)]
+    if missing:
+        await producer.stop()
+        raise StartupError(f"topic{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                           f"{'do' if len(missing) > 1 else 'does'} not exist on {settings.bootstrap_servers} "
+                           f"(or this worker may not see {'them' if len(missing) > 1 else 'it'}): create them with "
+                           f"`genpipe topics create --topic-prefix {settings.topic_prefix}`")
     consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
     consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
     tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]

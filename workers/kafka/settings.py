@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 DEFAULT_TOPIC_PREFIX = "genpipe"
-# The five topics of SPEC §2, by role; their names are "<prefix>.<role>".
+# The five topics of docs/design.md §2, by role; their names are "<prefix>.<role>".
 TOPIC_ROLES = ("requests", "chunks", "results", "cancel", "dlq")
 
 
