@@ -8,14 +8,14 @@ from pathlib import Path
 
 import msgspec
 
-from schemas.openai import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse
+from schemas.openai import RESULT_TYPES
 from schemas.records import Cancel, GenerateChunk, GenerateRequest
 
 # topic role -> the record types its values may have
 TOPIC_RECORDS: dict[str, tuple[type, ...]] = {
     "requests": (GenerateRequest,),
     "chunks": (GenerateChunk,),
-    "results": (ChatCompletionChunk, ChatCompletion, Completion, ErrorResponse),
+    "results": RESULT_TYPES,
     "cancel": (Cancel,),
 }
 

@@ -123,3 +123,7 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 # this union directly. An error result (`ErrorResponse`, untagged) is told apart by the
 # `genpipe-schema` header instead.
 OpenAIResult = ChatCompletionChunk | ChatCompletion | Completion
+
+# Every value a results topic may hold, told apart by the `genpipe-schema` header.
+RESULT_TYPES = (ChatCompletionChunk, ChatCompletion, Completion, ErrorResponse)
+ResultRecord = ChatCompletionChunk | ChatCompletion | Completion | ErrorResponse

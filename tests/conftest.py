@@ -123,6 +123,6 @@ def make_topics():
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """The built-in tiny spm model (built once into the genpipe cache)."""
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     return default_model_dir("spm")

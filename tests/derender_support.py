@@ -22,7 +22,7 @@ def build_tokenizer_dir(kind: str, root: Path) -> Path:
     Training the tiny model's weights takes a minute; the derender needs only the
     tokenizer, which `build_tokenizer` makes deterministically in a fraction of a second.
     """
-    from workers.generate.tinymodel import build_tokenizer
+    from workers.models.tinymodel import build_tokenizer
 
     out = root / f"tiny-{kind}"
     out.mkdir(parents=True, exist_ok=True)

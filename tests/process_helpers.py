@@ -94,7 +94,7 @@ def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
     from tests.derender_support import make_chunks, run_chunks, streamed_text
     from workers.derender.state import Derenderer
     from workers.generate.engine import Engine
-    from workers.generate.worker import PROMPT_TAIL
+    from workers.generate.chunks import PROMPT_TAIL
 
     ids = run_alone(Engine(str(model_dir), max_batch=len(requests)), requests)
     derenderer = Derenderer(str(model_dir))

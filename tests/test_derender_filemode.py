@@ -8,7 +8,7 @@ import sys
 
 import msgspec
 
-from derender_support import encode_ids, make_chunks, openai_validate, position, tables_for, tokenizer_dir
+from tests.derender_support import encode_ids, make_chunks, openai_validate, position, tables_for, tokenizer_dir
 from schemas.codec import JSON, decode, encode
 from schemas.openai import ChatCompletionChunk, Completion
 from schemas.records import Cancel, OutputOptions
@@ -93,7 +93,7 @@ def test_stdin_stdout(monkeypatch, capsys):
 
 
 def test_default_tokenizer_is_tiny_spm(tmp_path, monkeypatch, capsys):
-    import workers.generate.tinymodel as tiny
+    import workers.models.tinymodel as tiny
 
     calls = []
 

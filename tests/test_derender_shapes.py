@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from derender_support import (encode_ids, make_chunks, openai_validate, position, raw_byte_ids, results,
+from tests.derender_support import (encode_ids, make_chunks, openai_validate, position, raw_byte_ids, results,
                               roundtrip, run_chunks, streamed_text, tables_for, tid)
 from schemas.openai import ChatCompletion, ChatCompletionChunk, Completion
 from schemas.records import OutputOptions

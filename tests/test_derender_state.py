@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from derender_support import (cancels, encode_ids, make_chunks, openai_validate, position, results, run_chunks,
+from tests.derender_support import (cancels, encode_ids, make_chunks, openai_validate, position, results, run_chunks,
                               streamed_text, tables_for)
 from schemas.openai import ErrorResponse
 from schemas.records import ChunkError, GenerateChunk, GenerateLogProb, OutputOptions

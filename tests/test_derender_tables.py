@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from derender_support import FFFD, encode_ids, raw_byte_ids, tables_for, tid, tokenizer_dir
+from tests.derender_support import FFFD, encode_ids, raw_byte_ids, tables_for, tid, tokenizer_dir
 from workers.derender.correction import COMPLETE, INCOMPLETE, INVALID, Corrector, correct_token, utf8_state
 from workers.derender.vocab import find_anchor, load_tables
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from derender_support import (FFFD, encode_ids, make_chunks, openai_validate, position, raw_byte_ids,
+from tests.derender_support import (FFFD, encode_ids, make_chunks, openai_validate, position, raw_byte_ids,
                               results, run_chunks, streamed_text, tables_for, tid)
 from schemas.openai import ChatCompletion, ChatCompletionChunk
 from schemas.records import OutputOptions

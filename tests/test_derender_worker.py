@@ -19,7 +19,7 @@ from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 from workers.derender.state import Derenderer, Result
 from workers.derender.worker import parse_published
 from workers.kafka.clients import make_producer
-from workers.kafka.records import HEADER_ATTEMPT, HEADER_FINAL, HEADER_SEQ
+from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_SEQ
 from schemas import decode_record
 
 pytestmark = pytest.mark.kafka

@@ -16,7 +16,8 @@ from schemas import GenerateChunk, header_value
 from tests.kafka_helpers import chunks_finished, read_topic
 from tests.process_helpers import WorkerProcesses, last_attempt_text, uninterrupted_texts
 from workers.client import GenpipeClient, GenpipeError, make_request
-from workers.kafka.records import HEADER_FINAL, decode_message
+from schemas.headers import HEADER_FINAL
+from workers.kafka.records import decode_message
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

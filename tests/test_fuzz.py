@@ -30,8 +30,8 @@ from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 from workers.kafka.clients import make_admin, make_producer
-from workers.kafka.records import (HEADER_ATTEMPT, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION, HEADER_DLQ_TOPIC,
-                                   HEADER_FINAL, HEADER_SEQ)
+from schemas.headers import (HEADER_ATTEMPT, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION, HEADER_DLQ_TOPIC, HEADER_FINAL,
+                             HEADER_SEQ)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -13,9 +13,10 @@ from tests.kafka_helpers import chunks_finished, committed_offsets, read_topic, 
 from tests.process_helpers import run_alone
 from workers.generate.engine import Engine
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
-from workers.generate.worker import ChunkPolicy
+from workers.generate.chunks import ChunkPolicy
 from workers.kafka.clients import make_producer
-from workers.kafka.records import HEADER_DLQ_OFFSET, decode_message
+from schemas.headers import HEADER_DLQ_OFFSET
+from workers.kafka.records import decode_message
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -11,10 +11,11 @@ from schemas import JSON, MSGPACK, Cancel, DecodeError, GenerateRequest, Validat
 from tests.kafka_helpers import committed_offsets, read_topic, wait_for
 from workers.broker.topics import create_topics
 from workers.kafka.clients import make_consumer, make_producer
-from workers.kafka.loop import ConsumerLoop
+from schemas.headers import HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION, HEADER_DLQ_TOPIC
+from workers.kafka.loop import ConsumerLoop, Handler
+from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import Publisher
-from workers.kafka.records import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION,
-                                   HEADER_DLQ_TOPIC, Outgoing, decode_message)
+from workers.kafka.records import Outgoing, decode_message
 
 pytestmark = pytest.mark.kafka
 
@@ -52,34 +53,24 @@ async def test_published_records_arrive_with_their_headers(kafka_settings):
         assert headers["x-trace"] == f"t{i}".encode()
 
 
-class ForwardingHandler:
+class ForwardingHandler(Handler):
     """A minimal worker: forwards Cancel records to the results topic, DLQs the rest."""
 
-    def __init__(self, settings, publisher, consumer_loop):
-        self.settings, self.publisher, self.loop = settings, publisher, consumer_loop
+    def __init__(self, settings, publisher, offsets):
+        self.settings, self.publisher, self.offsets = settings, publisher, offsets
         self.assigned = []
 
     async def handle(self, message):
-        tp = TopicPartition(message.topic, message.partition)
-        self.loop.tracker(tp).hold(message.offset)
+        release = self.offsets.hold(message)
         try:
             cancel = decode_message(message, Cancel)
             future = await self.publisher.publish(Outgoing(self.settings.topic("results"), cancel.request_id, cancel))
         except (DecodeError, ValidationError) as exc:
             future = await self.publisher.to_dlq(message, str(exc))
-        future.add_done_callback(lambda f: self.loop.tracker(tp).release(message.offset))
+        future.add_done_callback(lambda f: release())
 
     async def on_assigned(self, partitions, metadata):
         self.assigned.extend(partitions)
-
-    async def on_revoked(self, partitions):
-        pass
-
-    async def tick(self):
-        pass
-
-    def wants_pause(self):
-        return False
 
     def commit_metadata(self, tp):
         return "seen"
@@ -105,8 +96,9 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
         await worker_producer.start()
         publisher = Publisher(worker_producer, kafka_settings.topic("dlq"))
         group = f"{kafka_settings.topic_prefix}-group"
-        consumer_loop = ConsumerLoop(kafka_settings, source, group, None)
-        consumer_loop.handler = ForwardingHandler(kafka_settings, publisher, consumer_loop)
+        offsets = PartitionOffsets()
+        consumer_loop = ConsumerLoop(kafka_settings, source, group, ForwardingHandler(kafka_settings, publisher, offsets),
+                                     offsets)
         stop = asyncio.Event()
         task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
 
@@ -155,8 +147,8 @@ async def test_a_dead_background_task_stops_the_worker_with_exit_1(kafka_setting
 
     code = await asyncio.wait_for(serve(
         kafka_settings, topic=kafka_settings.topic("requests"), group_id=f"{kafka_settings.topic_prefix}-g",
-        make_handler=lambda publisher, loop: ForwardingHandler(kafka_settings, publisher, loop),
-        stop=asyncio.Event(), grace_s=5, background=lambda publisher, loop, stop: [follower_that_dies()],
+        make_handler=lambda publisher, offsets: ForwardingHandler(kafka_settings, publisher, offsets),
+        stop=asyncio.Event(), grace_s=5, background=lambda stop: [follower_that_dies()],
         on_ready=ready.set, worker="test"), 60)
     assert code == 1
     assert "background task failed, stopping: RuntimeError('cancel topic vanished')" in caplog.text

@@ -37,7 +37,12 @@ async def test_generate_worker_metrics_are_served(kafka_settings, make_topics, t
     await make_topics(kafka_settings, partitions=1)
     port = free_port()
     start_metrics_server(port, addr="127.0.0.1")
-    before = scrape(port).get('genpipe_tokens_total{worker="generate"}', 0.0)
+    # Earlier tests in this process moved the same counters: measure what this run adds.
+    names = ('genpipe_tokens_total{worker="generate"}', 'genpipe_requests_total{outcome="length",worker="generate"}',
+             'genpipe_time_to_first_token_seconds_count{worker="generate"}',
+             'genpipe_step_time_seconds_count{worker="generate"}')
+    start = scrape(port)
+    before = {name: start.get(name, 0.0) for name in names}
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.ensure_future(run_generate_worker(
         kafka_settings, GenerateWorkerConfig(model=str(tiny_model_dir), group_id=f"{kafka_settings.topic_prefix}-g"),
@@ -51,13 +56,15 @@ async def test_generate_worker_metrics_are_served(kafka_settings, make_topics, t
         await producer.send_and_wait(kafka_settings.topic("requests"), encode(request), key=b"m1",
                                      headers=headers_for(request))
         await producer.stop()
-        await wait_for(lambda: scrape(port).get('genpipe_tokens_total{worker="generate"}', 0.0) >= before + 5,
+        await wait_for(lambda: scrape(port).get(names[0], 0.0) >= before[names[0]] + 5,
                        what="5 generated tokens counted")
     finally:
         stop.set()
         await task
     values = scrape(port)
-    assert values['genpipe_requests_total{outcome="length",worker="generate"}'] >= 1
-    assert values['genpipe_time_to_first_token_seconds_count{worker="generate"}'] >= 1
-    assert values['genpipe_step_time_seconds_count{worker="generate"}'] >= 5
+    added = {name: values.get(name, 0.0) - before[name] for name in names}
+    assert added[names[0]] == 5  # five tokens, counted once
+    assert added[names[1]] == 1  # one request, ended by its length
+    assert added[names[2]] == 1  # one first token
+    assert added[names[3]] >= 5  # a step per token at least (prefill may take its own)
     assert 'genpipe_consumer_lag_records{worker="generate"}' in values

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.generate import tinymodel
-from workers.generate.tinymodel import KINDS, build_tiny_model
+from workers.models import tinymodel
+from workers.models.tinymodel import KINDS, build_tiny_model
 
 HASHED = ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "config.json",
           "generation_config.json", tinymodel.MANIFEST)

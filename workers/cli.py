@@ -17,7 +17,7 @@ COMMAND_MODULES = [
     "workers.demo",
     "workers.broker.commands",
     "workers.worker_commands",
-    "workers.generate.commands",
+    "workers.models.commands",
     "workers.derender.commands",
     "workers.client_commands",
     "schemas.commands",

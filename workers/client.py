@@ -77,9 +77,9 @@ from schemas import (
     header_value,
     headers_for,
 )
-from schemas.codec import HEADER_SCHEMA, content_type_of, decode
-from schemas.openai import OpenAIResult
-from workers.kafka.records import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
+from schemas.codec import HEADER_SCHEMA, content_type_of, decode, schema_header
+from schemas.openai import RESULT_TYPES, OpenAIResult, ResultRecord
+from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # position is resolved before any request is sent, so nothing sent later is missed).
 SINCE_MARGIN_S = 5.0
 
-Result = ChatCompletionChunk | ChatCompletion | Completion | ErrorResponse
+Result = ResultRecord  # what decode_result returns (schemas/openai.py)
 
 
 # --- errors ------------------------------------------------------------------------
@@ -160,9 +160,7 @@ class ResultMessage:
 
 # --- decoding result records --------------------------------------------------------
 
-_RESULT_TYPES: dict[str, Any] = {
-    f"{t.__name__}/v1": t for t in (ChatCompletionChunk, ChatCompletion, Completion, ErrorResponse)
-}
+_RESULT_TYPES: dict[str, Any] = {schema_header(t): t for t in RESULT_TYPES}
 
 
 def decode_result(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None) -> Result:

@@ -230,7 +230,7 @@ def run_submit(args: argparse.Namespace) -> int:
     else:
         tokenizer = args.tokenizer
         if tokenizer is None:
-            from workers.generate.tinymodel import default_model_dir
+            from workers.models.tinymodel import default_model_dir
 
             tokenizer = str(default_model_dir("spm"))
         try:
@@ -382,7 +382,8 @@ def _add_tail(subparsers) -> None:
     p.add_argument("--topic", type=_topic_arg, default=None, metavar="TOPIC",
                    help="a role (requests, chunks, results, cancel, dlq) or a full topic name "
                         "(default: results)")
-    p.add_argument("--request-id", default=None, metavar="ID", help="only records with this key")
+    p.add_argument("--request-id", default=None, metavar="ID",
+                   help="only records with this key: the request_id (`submit --request-id` sets it, `submit --verbose` prints it)")
     p.add_argument("--from-beginning", action="store_true",
                    help="start at the oldest retained record (default: only new records)")
     p.add_argument("--until-final", action="store_true",
@@ -414,7 +415,7 @@ async def _tail(args: argparse.Namespace) -> int:
     from workers.client import record_json
     from workers.kafka.clients import make_consumer
     from workers.kafka.follow import assign_all
-    from workers.kafka.records import HEADER_FINAL
+    from schemas.headers import HEADER_FINAL
     from workers.kafka.settings import KafkaSettings
 
     settings = KafkaSettings.from_args(args, client_id="genpipe-tail")
@@ -520,7 +521,7 @@ def run_replay(args: argparse.Namespace) -> int:
         return 2
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from workers.generate.tinymodel import default_model_dir
+        from workers.models.tinymodel import default_model_dir
 
         tokenizer = str(default_model_dir("spm"))
     model_name = args.model_name or DerenderWorkerConfig().model_name

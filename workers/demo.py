@@ -138,7 +138,8 @@ async def _run_prompts(settings: KafkaSettings, tokenizer_dir: str, max_tokens: 
 def run_demo(args: argparse.Namespace) -> int:
     from workers.broker.local import broker_down, broker_status, broker_up
     from workers.broker.topics import create_topics
-    from workers.generate.tinymodel import cache_root, default_model_dir
+    from workers.cache import cache_root
+    from workers.models.tinymodel import cached_model_dir, default_model_dir
 
     import logging
 
@@ -158,7 +159,8 @@ def run_demo(args: argparse.Namespace) -> int:
             started_broker = None if info.reused else port
         report = asyncio.run(create_topics(settings, partitions=args.partitions))
         _say(f"topics ready: {', '.join(report.created + report.existed)}")
-        _say("building the built-in tiny model (first run only, ~20 s)…")
+        if cached_model_dir("spm") is None:
+            _say("building the built-in tiny model (first run only, ~20 s)…")
         model_dir = str(default_model_dir("spm"))
         common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
                   "--grace-period", "5"]

@@ -73,12 +73,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "requests, chunks, cancel and dlq topics are never allowed. A request "
                              "outside it gets an invalid_request_error on <prefix>.results. Use the "
                              "same value for both workers.")
-    parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
+                        help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from workers.generate.service import GenerateWorkerConfig, run_generate_worker
-    from workers.generate.worker import ChunkPolicy
+    from workers.generate.chunks import ChunkPolicy
 
     from workers.startup import check_device, check_model_dir
 
@@ -156,9 +158,12 @@ def register(sub) -> None:
     gen.add_argument("--model", default=os.environ.get("GENPIPE_MODEL"),
                      help="local Hugging Face causal-LM directory (env GENPIPE_MODEL; default: the "
                           "built-in tiny model, built into the cache on first use)")
-    gen.add_argument("--device", default=os.environ.get("GENPIPE_DEVICE", "cpu"), help="cpu or cuda (default %(default)s)")
+    gen.add_argument("--device", default=os.environ.get("GENPIPE_DEVICE", "cpu"),
+                     help="cpu, cuda or cuda:N (env GENPIPE_DEVICE; default %(default)s)")
     gen.add_argument("--dtype", default=os.environ.get("GENPIPE_DTYPE", "float32"),
-                     choices=["float32", "bfloat16", "float16"])
+                     choices=["float32", "bfloat16", "float16"],
+                     help="weights and KV cache dtype; logprobs are computed in float32 either way "
+                          "(env GENPIPE_DTYPE; default %(default)s)")
     gen.add_argument("--max-batch", type=at_least(1), default=os.environ.get("GENPIPE_MAX_BATCH", "32"),
                      help="requests decoded together (KV cache rows; env GENPIPE_MAX_BATCH; default %(default)s)")
     gen.add_argument("--max-model-len", type=at_least(1), default=None, help="context length (default: the model's)")

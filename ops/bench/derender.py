@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
         name = args.tokenizer
     else:
-        from workers.generate.tinymodel import build_tokenizer
+        from workers.models.tinymodel import build_tokenizer
 
         tokenizer, name = build_tokenizer("spm"), "tiny spm (built in memory)"
     started = time.process_time()

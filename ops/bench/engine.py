@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
-        from workers.generate.tinymodel import default_model_dir
+        from workers.models.tinymodel import default_model_dir
         model_dir = default_model_dir("spm")
     model_dir = Path(model_dir)
 

@@ -227,7 +227,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from workers.broker.topics import create_topics
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     model_dir = str(default_model_dir("spm"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -167,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from workers.broker.topics import create_topics
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     model_dir = str(default_model_dir("spm"))
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"soak-{uuid.uuid4().hex[:6]}")

@@ -176,7 +176,7 @@ def main() -> None:
     import torch
 
     from workers.broker.topics import create_topics
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     torch.set_num_threads(1)
     model_dir = str(default_model_dir("spm"))

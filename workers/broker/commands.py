@@ -66,7 +66,11 @@ def register(subparsers) -> None:
     create.add_argument("--replication-factor", type=int, default=1,
                         help="replicas per partition (default %(default)s; 1 for one broker)")
     create.add_argument("--timeout", type=float, default=30,
-                        help="seconds to wait for the broker (default %(default)s)")
+                        help="seconds to wait for the broker to answer and the topics to have leaders "
+                             "(default %(default)s)")
+    create.add_argument("--topic", dest="extra_topics", action="append", default=[], metavar="NAME",
+                        help="also create this topic with the same partitions (repeatable): a tenant's "
+                             "reply topic such as genpipe.reply.team-a, or a `genpipe replay --to-topic` target")
     KafkaSettings.add_arguments(create)
     create.set_defaults(func=_topics_create)
 
@@ -159,7 +163,7 @@ def _topics_create(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(create_topics(settings, partitions=args.partitions,
                                            replication_factor=args.replication_factor,
-                                           timeout=args.timeout))
+                                           timeout=args.timeout, extra=args.extra_topics))
     except (TopicsError, ValueError) as exc:
         return _fail(str(exc))
     except Exception as exc:  # aiokafka errors: connection refused, auth, timeouts
@@ -170,6 +174,10 @@ def _topics_create(args: argparse.Namespace) -> int:
         print(f"created {name} ({report.partitions[name]} partitions)")
     for name in report.existed:
         print(f"exists  {name} ({report.partitions[name]} partitions)")
+    differ = [name for name in report.existed if report.partitions[name] != args.partitions]
+    if differ:
+        print(f"warning: {', '.join(differ)} already exist with another partition count than "
+              f"--partitions {args.partitions}; existing topics are not changed", file=sys.stderr)
     if report.mismatched(settings):
         print("warning: requests, chunks and results have different partition counts; "
               "a request's records may then change partition number", file=sys.stderr)

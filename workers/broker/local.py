@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.cache import cache_root
+
 if TYPE_CHECKING:
     from workers.broker.secure import SecureFiles
 
@@ -62,11 +64,6 @@ class BrokerStatus:
     port: int
     pid: int | None
     data_dir: Path
-
-
-def cache_root() -> Path:
-    root = os.environ.get("GENPIPE_CACHE_DIR") or Path.home() / ".cache" / "genpipe"
-    return Path(root).expanduser().resolve()
 
 
 def kafka_version() -> str:

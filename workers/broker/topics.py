@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 
@@ -31,23 +32,35 @@ class TopicsReport:
 
 
 async def create_topics(settings: KafkaSettings, partitions: int = 8,
-                        replication_factor: int = 1, timeout: float = 30) -> TopicsReport:
-    """Create the missing topics among ``settings.topic(role)`` for every role.
+                        replication_factor: int = 1, timeout: float = 30,
+                        extra: Sequence[str] = ()) -> TopicsReport:
+    """Create the missing topics among ``settings.topic(role)`` for every role, and the
+    `extra` ones (a tenant's reply topic, a replay target) with the same settings.
 
     Existing topics are left alone (their partition count is reported, not changed).
-    Returns once every topic has a leader for every partition, so callers can produce
-    immediately.
+    Waits up to `timeout` for a broker to answer. Returns once every topic has a leader
+    for every partition, so callers can produce immediately.
     """
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError, for_code
+    from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
 
     if partitions < 1 or replication_factor < 1:
         raise ValueError("partitions and replication_factor must be >= 1")
     names = [settings.topic(role) for role in TOPIC_ROLES]
+    names += [name for name in extra if name not in names]
     report = TopicsReport()
-    admin = AIOKafkaAdminClient(**settings.with_client_id(f"{settings.client_id}-admin")
-                                .client_kwargs(), request_timeout_ms=int(timeout * 1000))
-    await admin.start()
+    deadline = time.monotonic() + timeout
+    while True:  # a broker that is still starting answers a moment later
+        admin = AIOKafkaAdminClient(**settings.with_client_id(f"{settings.client_id}-admin")
+                                    .client_kwargs(), request_timeout_ms=int(timeout * 1000))
+        try:
+            await admin.start()
+            break
+        except KafkaConnectionError:
+            await admin.close()
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
     try:
         existing = set(await admin.list_topics())
         missing = [n for n in names if n not in existing]

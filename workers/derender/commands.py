@@ -46,7 +46,7 @@ def run_derender(args: argparse.Namespace) -> int:
 
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from workers.generate.tinymodel import default_model_dir
+        from workers.models.tinymodel import default_model_dir
 
         tokenizer = default_model_dir("spm")
     try:

@@ -29,7 +29,7 @@ class DerenderWorkerConfig:
 
 def load_derenderer(config: DerenderWorkerConfig):
     from workers.derender.state import Derenderer
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     tokenizer = config.tokenizer or str(default_model_dir("spm"))
     try:
@@ -44,8 +44,8 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
     derenderer = load_derenderer(config)
     rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)
 
-    def make_handler(publisher, consumer_loop):
-        return DerenderHandler(settings, publisher, consumer_loop, derenderer, rule)
+    def make_handler(publisher, offsets):
+        return DerenderHandler(settings, publisher, offsets, derenderer, rule)
 
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,

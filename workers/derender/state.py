@@ -28,8 +28,8 @@ from typing import Iterable, Union
 
 import msgspec
 
-from schemas.openai import (ChatCompletion, ChatCompletionChunk, Completion, CompletionLogProbs,
-                            ErrorResponse)
+from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
+from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
 from workers.derender import shaping
 from workers.derender.correction import Corrector
@@ -40,7 +40,6 @@ from workers.derender.vocab import VocabTables, load_tables
 # replay, so a replay or a file-mode run reproduces the worker's records byte for byte.
 DEFAULT_MODEL_NAME = "genpipe-tiny"
 
-H_ATTEMPT, H_SEQ, H_FINAL, H_RESTART = "genpipe-attempt", "genpipe-seq", "genpipe-final", "genpipe-restart"
 
 
 class Result(msgspec.Struct):
@@ -48,7 +47,7 @@ class Result(msgspec.Struct):
 
     request_id: str
     reply_topic: str | None
-    value: Union[ChatCompletionChunk, ChatCompletion, Completion, ErrorResponse]
+    value: ResultRecord
     headers: dict[str, str]  # genpipe-attempt, genpipe-seq, [genpipe-final], [genpipe-restart]
     final: bool
 
@@ -138,7 +137,7 @@ class Derenderer:
         rid = result.request_id
         self.stats.rule_errors += 1
         value = shaping.error_response(f"derender: {message}", kind, code)
-        out: list[Output] = [Result(rid, result.reply_topic, value, {**result.headers, H_FINAL: "1"}, True)]
+        out: list[Output] = [Result(rid, result.reply_topic, value, {**result.headers, HEADER_FINAL: "1"}, True)]
         if not result.final:
             req = self._active.get(rid)
             self._mark_finished(rid, req.request_offset if req is not None else None)
@@ -318,12 +317,12 @@ class Derenderer:
 
     # --- records and bookkeeping -----------------------------------------------------
     def _result(self, req: _Request, rid: str, chunk: GenerateChunk, value, final: bool) -> Result:
-        headers = {H_ATTEMPT: chunk.attempt, H_SEQ: str(chunk.seq)}
+        headers = {HEADER_ATTEMPT: chunk.attempt, HEADER_SEQ: str(chunk.seq)}
         if req is not None and req.restart:
-            headers[H_RESTART] = "1"
+            headers[HEADER_RESTART] = "1"
             req.restart = False
         if final:
-            headers[H_FINAL] = "1"
+            headers[HEADER_FINAL] = "1"
         self.stats.results += 1
         topic = req.reply_topic if req is not None else chunk.reply_topic
         return Result(rid, topic, value, headers, final)

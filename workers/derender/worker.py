@@ -22,9 +22,10 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
-from workers.derender.state import H_FINAL, CancelRequest, Derenderer, Output, Result
-from workers.kafka.loop import ConsumerLoop
-from workers.kafka.offsets import OffsetTracker
+from schemas.headers import HEADER_FINAL
+from workers.derender.state import CancelRequest, Derenderer, Output, Result
+from workers.kafka.loop import Handler
+from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_acked
 from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
@@ -79,23 +80,23 @@ def answer_on_default_topic(derenderer: Derenderer, result: Result, message: str
             for o in derenderer.fail(result, message, "invalid_request_error", 400)]
 
 
-class DerenderHandler:
-    def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
+class DerenderHandler(Handler):
+    def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
                  derenderer: Derenderer, reply_rule: ReplyTopicRule | None = None):
         self.settings = settings
         self.publisher = publisher
-        self.consumer_loop = consumer_loop
+        self.offsets = offsets
         self.derenderer = derenderer
         self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.results_topic = settings.topic("results")
         self.cancel_topic = settings.topic("cancel")
-        self.request_start: dict[str, tuple[TopicPartition, int]] = {}  # open request -> first offset
+        # open request -> its partition and the release of its first chunk's offset
+        self.request_start: dict[str, tuple[TopicPartition, Release]] = {}
         self.published: dict[TopicPartition, OffsetTracker] = {}  # records whose results are acked
         self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
 
     async def handle(self, message) -> None:
         tp = TopicPartition(message.topic, message.partition)
-        offsets = self.consumer_loop.tracker(tp)
         published = self.published.setdefault(tp, OffsetTracker())
         published.seen(message.offset)
         try:
@@ -103,17 +104,17 @@ class DerenderHandler:
         except RecordError as exc:
             series(DLQ, W).inc()
             if message.offset >= self.publish_from.get(tp, 0):
-                offsets.hold(message.offset)
+                release = self.offsets.hold(message)
                 future = await self.publisher.to_dlq(message, str(exc))
-                future.add_done_callback(lambda f: self._release(tp, message.offset))
+                future.add_done_callback(lambda f: release())
             return
         series(CHUNKS, W).inc()
         series(TOKENS, W).inc(len(chunk.token_ids))
         rid = chunk.request_id
         records = self._records(await self._reply_topics_checked(self.derenderer.process(chunk)), tp)
         if rid not in self.request_start and self.derenderer.is_active(rid):
-            self.request_start[rid] = (tp, message.offset)
-            offsets.hold(message.offset)  # pins the commit until the request is finished
+            # pins the commit until the request is finished
+            self.request_start[rid] = (tp, self.offsets.hold(message))
         replaying = message.offset < self.publish_from.get(tp, 0)
         finished = rid in self.request_start and not self.derenderer.is_active(rid)
         if replaying:
@@ -171,7 +172,7 @@ class DerenderHandler:
                 raise
             log.warning("request %s: publishing to %s failed: %r", record.key, record.topic, exc)
             series(REPLY_REFUSED, W).inc()
-            result = Result(record.key, record.topic, record.value, record.headers, H_FINAL in record.headers)
+            result = Result(record.key, record.topic, record.value, record.headers, HEADER_FINAL in record.headers)
             outputs = answer_on_default_topic(
                 self.derenderer, result, f"publishing to reply_topic {record.topic!r} failed: {exc}")
             futures = [await self.publisher.publish(self._outgoing(o, tp)) for o in outputs]
@@ -200,17 +201,11 @@ class DerenderHandler:
             tracker.release(offset)
 
     def _finish(self, request_id: str, last_future) -> None:
-        tp, first_offset = self.request_start.pop(request_id)
+        _, release = self.request_start.pop(request_id)
         if last_future is None:
-            self._release(tp, first_offset)
+            release()
         else:
-            last_future.add_done_callback(
-                lambda f: None if f.cancelled() or f.exception() else self._release(tp, first_offset))
-
-    def _release(self, tp: TopicPartition, offset: int) -> None:
-        tracker = self.consumer_loop.offsets.get(tp)
-        if tracker is not None:
-            tracker.release(offset)
+            release_when_acked(last_future, release)
 
     # --- loop hooks ----------------------------------------------------------------------
 
@@ -235,9 +230,6 @@ class DerenderHandler:
             del self.request_start[rid]
         # `published`/`publish_from` stay: the loop commits the revoked partitions right
         # after this, with their metadata; on_assigned starts them afresh.
-
-    async def tick(self) -> None:
-        pass
 
     def wants_pause(self) -> bool:
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
-        from workers.generate.tinymodel import default_model_dir
+        from workers.models.tinymodel import default_model_dir
         model_dir = default_model_dir()
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, force_fallback=args.fallback)
     prompt = [int(x) for x in args.prompt.split(",") if x.strip()]

@@ -11,7 +11,8 @@ from typing import Callable
 from schemas import Cancel, RecordError
 from workers.generate.engine_process import EngineProcess
 from workers.generate.engine_thread import EngineThread
-from workers.generate.worker import W, ChunkPolicy, GenerateHandler
+from workers.generate.chunks import W, ChunkPolicy
+from workers.generate.worker import GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
 from workers.kafka.publisher import MAX_RECORD_BYTES
@@ -47,7 +48,7 @@ class GenerateWorkerConfig:
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
     """Engine(**options): the same engine whether it is built here or in the child."""
-    from workers.generate.tinymodel import default_model_dir
+    from workers.models.tinymodel import default_model_dir
 
     return dict(model_dir=config.model or str(default_model_dir("spm")), device=config.device,
                 dtype=config.dtype, max_batch=config.max_batch, max_model_len=config.max_model_len,
@@ -98,12 +99,11 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
         holder["engine"] = EngineThread(engine, deliver, min_step_s=config.min_step_s)
         holder["engine"].start()  # idle until the first request arrives
 
-    def make_handler(publisher, consumer_loop):
-        handler = GenerateHandler(settings, publisher, consumer_loop, holder["engine"],
-                                  max_running=config.max_batch * 2, reply_rule=rule)
-        handler.policy = config.policy
-        holder["handler"] = handler
-        return handler
+    def make_handler(publisher, offsets):
+        holder["handler"] = GenerateHandler(settings, publisher, offsets, holder["engine"],
+                                            max_running=config.max_batch * 2, policy=config.policy,
+                                            reply_rule=rule)
+        return holder["handler"]
 
     def on_cancel(message) -> None:
         try:
@@ -113,7 +113,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
             return
         holder["handler"].cancel(cancel.request_id)
 
-    def background(publisher, consumer_loop, stop_event):
+    def background(stop_event):
         since = int((time.time() - config.cancel_lookback_s) * 1000)
         return [follow(settings, settings.topic("cancel"), on_cancel, stop_event, since_ms=since)]
 

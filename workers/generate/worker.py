@@ -11,83 +11,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 from aiokafka import TopicPartition
 
-from schemas import (ChunkError, DecodeError, GenerateChunk, GenerateLogProbs, GenerateRequest,
-                     ValidationError, peek_request_id)
-from workers.kafka.loop import ConsumerLoop
+from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
+from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
+from workers.kafka.loop import Handler
+from workers.kafka.offsets import PartitionOffsets, Release, release_when_acked
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import CHUNKS, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TOKENS, TTFT, series
+from workers.metrics import DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, series
 
 log = logging.getLogger(__name__)
 
-W = "generate"  # metrics label
-PROMPT_TAIL = 8  # prompt ids sent on chunk 0 to seed the detokenizer (docs/design.md §3)
 
-
-@dataclass
-class ChunkPolicy:
-    """When to publish a request's pending tokens (docs/design.md §4 coalescing)."""
-
-    lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
-    max_tokens: int = 16  # at most this many tokens per chunk while coalescing
-    max_delay_s: float = 0.02  # never hold a token longer than this
-
-    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
-        if pending == 0:
-            return False
-        return in_flight < self.lag_threshold or pending >= self.max_tokens or waited_s >= self.max_delay_s
-
-
-@dataclass
-class InFlight:
-    request: GenerateRequest
-    tp: TopicPartition
-    offset: int
-    attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    seq: int = 0
-    token_offset: int = 0  # output index of the first pending token
-    pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list = field(default_factory=list)
-    pending_since: float = 0.0
-    prompt_logprobs: list | None = None
-    sampled_at_ns: int | None = None
-    closed: bool = False  # the final chunk is taken: nothing may follow it
-    received_at: float = field(default_factory=time.monotonic)
-    last_token_at: float | None = None
-
-
-def first_chunk_fields(request: GenerateRequest, prompt_logprobs=None, request_offset: int | None = None) -> dict:
-    """What chunk seq 0 carries besides tokens: prompt facts and the pass-through options."""
-    return dict(
-        prompt_token_count=len(request.prompt_token_ids),
-        prompt_tail_ids=request.prompt_token_ids[-PROMPT_TAIL:],
-        prompt_logprobs=prompt_logprobs,
-        output=request.output,
-        reply_topic=request.reply_topic,
-        request_offset=request_offset,
-    )
-
-
-class GenerateHandler:
-    def __init__(self, settings: KafkaSettings, publisher: Publisher, consumer_loop: ConsumerLoop,
+class GenerateHandler(Handler):
+    def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
                  engine_thread, *, max_running: int, policy: ChunkPolicy | None = None,
                  reply_rule: ReplyTopicRule | None = None):
         self.settings = settings
         self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.publisher = publisher
-        self.consumer_loop = consumer_loop
+        self.offsets = offsets
         self.engine = engine_thread
         self.max_running = max_running
         self.policy = policy or ChunkPolicy()
-        self.chunk_topic = settings.topic("chunks")
+        self.chunks = ChunkBuilder(settings.topic("chunks"), self.policy, publisher.fits, publisher.max_record_bytes)
         self.inflight: dict[str, InFlight] = {}
         # Taking a chunk (which numbers it) and handing it to the producer happen under
         # one lock, so a partition receives every request's chunks in seq order.
@@ -101,56 +53,54 @@ class GenerateHandler:
 
     async def handle(self, message) -> None:
         tp = TopicPartition(message.topic, message.partition)
-        tracker = self.consumer_loop.tracker(tp)
-        tracker.hold(message.offset)
+        release = self.offsets.hold(message)
         try:
             request = decode_message(message, GenerateRequest)
         except ValidationError as exc:
             request_id = peek_request_id(message.value, message.headers)
             if request_id is None:  # nobody to answer: keep the bytes for an operator
-                await self._to_dlq(message, tp, f"invalid request without a readable request_id: {exc}")
+                await self._to_dlq(message, release, f"invalid request without a readable request_id: {exc}")
             else:
-                await self._reject(GenerateRequest(request_id=request_id, prompt_token_ids=[]), tp,
-                                   message.offset, str(exc))
+                await self._reject(InFlight(GenerateRequest(request_id=request_id, prompt_token_ids=[]), tp,
+                                            message.offset, release), str(exc))
             return
         except DecodeError as exc:
-            await self._to_dlq(message, tp, str(exc))
+            await self._to_dlq(message, release, str(exc))
             return
+        state = InFlight(request, tp, message.offset, release)
         if request.reply_topic is not None:
             problem = self.reply_rule.problem(request.reply_topic)
             if problem is not None:  # answered on the default results topic, never the named one
-                await self._reject(msgspec.structs.replace(request, reply_topic=None), tp, message.offset, problem)
+                state.request = msgspec.structs.replace(request, reply_topic=None)
+                await self._reject(state, problem)
                 return
         series(REQUESTS, W, "accepted").inc()
         if request.request_id in self.inflight:
             # The same request twice at once (a producer retry): the running one answers.
             log.warning("request %s already running; duplicate at offset %d dropped",
                         request.request_id, message.offset)
-            tracker.release(message.offset)
+            release()
             return
-        state = InFlight(request, tp, message.offset)
         if request.request_id in self.cancelled or _expired(request):
-            await self._publish_final(state, "abort")
+            await self._publish_final(state, Final("abort"))
             return
         try:
             self.engine.add(request)
         except ValidationError as exc:
-            await self._reject(request, tp, message.offset, str(exc))
+            await self._reject(state, str(exc))
             return
         self.inflight[request.request_id] = state
         self._idle.clear()
         series(IN_FLIGHT, W).set(len(self.inflight))
 
-    async def _to_dlq(self, message, tp: TopicPartition, error: str) -> None:
+    async def _to_dlq(self, message, release: Release, error: str) -> None:
         series(DLQ, W).inc()
-        future = await self.publisher.to_dlq(message, error)
-        self._release_when_acked(future, tp, message.offset)
+        release_when_acked(await self.publisher.to_dlq(message, error), release)
 
-    async def _reject(self, request: GenerateRequest, tp: TopicPartition, offset: int, error: str) -> None:
+    async def _reject(self, state: InFlight, error: str) -> None:
         series(REQUESTS, W, "invalid").inc()
         series(ERRORS, W).inc()
-        state = InFlight(request, tp, offset)
-        await self._publish_final(state, "error", error=ChunkError(message=error))
+        await self._publish_final(state, Final("error", ChunkError(message=error)))
 
     # --- chunks out -------------------------------------------------------------------
 
@@ -184,20 +134,20 @@ class GenerateHandler:
         if not self.inflight:
             self._idle.set()
         task = asyncio.ensure_future(self._publish_step(
-            [(state, out.finish_reason, None, out.stop_token_id) for state, out in finals]))
+            [(state, Final(out.finish_reason, stop_token_id=out.stop_token_id)) for state, out in finals]))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def _publish_step(self, finals: list[tuple]) -> None:
-        """Publish final chunks — (state, finish_reason, error, stop_token_id) — and every
-        request's chunk that is due, as one producer batch per partition (many single
-        sends cost several times more). The only path by which chunks leave the worker."""
+    async def _publish_step(self, finals: list[tuple[InFlight, Final]]) -> None:
+        """Publish the final chunks of requests that ended, and every request's chunk that
+        is due, as one producer batch per partition (many single sends cost several times
+        more). The only path by which chunks leave the worker."""
         async with self._publish_lock:
             records, owners = [], []
-            for state, finish_reason, error, stop_token_id in finals:
+            for state, final in finals:
                 state.closed = True
-                taken = self._take_records(state, finish_reason, error=error, stop_token_id=stop_token_id)
-                if finish_reason != "error":  # errors were counted as "invalid" when rejected
+                taken = self._take_records(state, final)
+                if final.finish_reason != "error":  # errors were counted as "invalid" when rejected
                     series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
@@ -211,96 +161,27 @@ class GenerateHandler:
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:
-                self._release_when_acked(future, state.tp, state.offset)
+                release_when_acked(future, state.release)
 
     async def _flush_ready(self) -> None:
         await self._publish_step([])
 
-    def _take_records(self, state: InFlight, finish_reason=None, **extra) -> list[Outgoing]:
-        """All of the request's pending tokens as chunk records; the last carries
-        `finish_reason`. A chunk holds at most `policy.max_tokens` tokens: they pile up
-        past that while a publish is under way (steps keep coming), and are cut here
-        (docs/design.md §4). A chunk over the publisher's record size limit (many logprobs) is cut
-        smaller; one that cannot be (a single token's, or the prompt's logprobs) ends the
-        request with an error chunk, which the broker would otherwise refuse after the
-        work was done, leaving the request unanswered and its offset held for good."""
-        size = max(1, self.policy.max_tokens)
-        records = []
-        while True:
-            count = min(size, len(state.pending_ids))
-            while True:
-                last = count == len(state.pending_ids)
-                record = self._outgoing(state, self._chunk(state, count, finish_reason if last else None,
-                                                           **(extra if last else {})))
-                fits = self.publisher.fits(record)
-                if fits or count <= 1:
-                    break
-                count //= 2
-            if not fits:
-                records.append(self._too_large(state, record.size()))
-                return records
-            self._advance(state, count)
-            records.append(record)
-            if last:
-                return records
+    def _take_records(self, state: InFlight, final: Final | None = None) -> list[Outgoing]:
+        """The request's pending tokens as chunk records (workers/generate/chunks.py); a
+        request whose next chunk cannot fit the record limit ends here with an error chunk."""
+        records, too_large = self.chunks.take(state, final)
+        if too_large is not None:
+            log.warning("request %s: %s", state.request.request_id, too_large)
+            series(ERRORS, W).inc()
+            if not state.closed:  # still generating: stop it here
+                series(REQUESTS, W, "error").inc()
+                self._stop_running(state)
+            state.closed = True
+        return records
 
-    def _chunk(self, state: InFlight, count: int, finish_reason=None, **extra) -> GenerateChunk:
-        """The first `count` pending tokens as the request's next chunk (state unchanged)."""
-        request = state.request
-        token_ids = state.pending_ids[:count]
-        chunk = GenerateChunk(
-            request_id=request.request_id, attempt=state.attempt, seq=state.seq,
-            token_offset=state.token_offset, token_ids=token_ids,
-            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
-                      if request.sampling.logprobs is not None and token_ids else None),
-            finish_reason=finish_reason, sampled_at_ns=state.sampled_at_ns or time.time_ns(), **extra)
-        if state.seq == 0:
-            for name, value in first_chunk_fields(request, state.prompt_logprobs, state.offset).items():
-                setattr(chunk, name, value)
-        return chunk
-
-    def _advance(self, state: InFlight, count: int) -> None:
-        """The chunk of the first `count` pending tokens is taken: number the next one."""
-        series(CHUNKS, W).inc()
-        series(TOKENS, W).inc(count)
-        state.seq += 1
-        state.token_offset += count
-        del state.pending_ids[:count], state.pending_logprobs[:count]
-
-    def _too_large(self, state: InFlight, size: int) -> Outgoing:
-        """End the request: its next chunk cannot be published. The error chunk instead."""
-        rid = state.request.request_id
-        what = "the prompt's logprobs" if state.seq == 0 and state.prompt_logprobs else "one token's logprobs"
-        message = (f"chunk too large: {what} encode to {size} bytes, over the record size limit of "
-                   f"{self.publisher.max_record_bytes} bytes; ask for fewer logprobs (or raise the "
-                   f"workers' --max-record-bytes together with the broker's message.max.bytes)")
-        log.warning("request %s: %s", rid, message)
-        series(ERRORS, W).inc()
-        if not state.closed:  # still generating: stop it here
-            series(REQUESTS, W, "error").inc()
-            self._stop_running(state)
-        state.pending_ids, state.pending_logprobs, state.prompt_logprobs = [], [], None
-        chunk = self._chunk(state, 0, "error", error=ChunkError(message=message))
-        self._advance(state, 0)
-        return self._outgoing(state, chunk)
-
-    def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
-        # Same partition number as the request: one request's records stay on one
-        # partition number end to end (docs/design.md §2), whatever partitioner the client used.
-        return Outgoing(self.chunk_topic, state.request.request_id, chunk, partition=state.tp.partition)
-
-    async def _publish_final(self, state: InFlight, finish_reason: str, error: ChunkError | None = None) -> None:
+    async def _publish_final(self, state: InFlight, final: Final) -> None:
         """A request that ends without reaching the engine (invalid, cancelled, expired)."""
-        await self._publish_step([(state, finish_reason, error, None)])
-
-    def _release_when_acked(self, future: asyncio.Future, tp: TopicPartition, offset: int) -> None:
-        def release(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None:
-                return  # not acknowledged: keep holding, the next owner re-runs it
-            tracker = self.consumer_loop.offsets.get(tp)
-            if tracker is not None:
-                tracker.release(offset)
-        future.add_done_callback(release)
+        await self._publish_step([(state, final)])
 
     # --- cancels, deadlines, timers -------------------------------------------------------
 
@@ -325,9 +206,6 @@ class GenerateHandler:
 
     # --- rebalance, shutdown ------------------------------------------------------------
 
-    async def on_assigned(self, partitions, metadata) -> None:
-        pass
-
     async def on_revoked(self, partitions) -> None:
         revoked = set(partitions)
         for state in list(self.inflight.values()):
@@ -345,9 +223,6 @@ class GenerateHandler:
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
-
-    def commit_metadata(self, tp) -> str:
-        return ""
 
     async def drain(self, deadline: float) -> None:
         try:

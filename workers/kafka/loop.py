@@ -12,45 +12,52 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
-
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from workers.kafka.clients import make_admin, make_consumer
-from workers.kafka.offsets import OffsetTracker
+from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.settings import KafkaSettings
 from workers.metrics import update_lag
 
 log = logging.getLogger(__name__)
 
 
-class Handler(Protocol):
+class Handler:
+    """A worker's logic. `handle` is the one hook every worker writes; the others default
+    to doing nothing. A handler holds a record's offset with `offsets.hold(message)` (the
+    `PartitionOffsets` it was built with) and calls the returned release once the work is
+    safely published: the loop commits no further than the lowest held offset."""
+
+    async def handle(self, message) -> None:
+        """One consumed record, in partition order."""
+        raise NotImplementedError
+
     async def on_assigned(self, partitions: list[TopicPartition], metadata: dict[TopicPartition, str]) -> None:
         """New partitions; `metadata` is what was committed with their offsets."""
 
     async def on_revoked(self, partitions: list[TopicPartition]) -> None:
         """Stop the work of these partitions: their new owner will redo it."""
 
-    async def handle(self, message) -> None:
-        """One consumed record, in partition order."""
-
     async def tick(self) -> None:
         """Called every loop turn (timers: coalescing delays, deadlines)."""
 
     def wants_pause(self) -> bool:
         """True while the worker is full: the loop pauses its partitions."""
+        return False
 
     def commit_metadata(self, tp: TopicPartition) -> str:
         """Stored with each commit of `tp` (e.g. how far results were published)."""
+        return ""
 
     async def drain(self, deadline: float) -> None:
         """Shutdown: finish what can finish before `deadline` (monotonic seconds)."""
 
 
 class ConsumerLoop:
-    def __init__(self, settings: KafkaSettings, topic: str, group_id: str, handler: Handler | None, *,
+    def __init__(self, settings: KafkaSettings, topic: str, group_id: str, handler: Handler,
+                 offsets: PartitionOffsets, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
                  group_instance_id: str | None = None, consumer_overrides: dict | None = None,
                  worker: str = "worker"):
@@ -62,7 +69,7 @@ class ConsumerLoop:
         self.commit_interval_s = commit_interval_s
         self.poll_timeout_ms = poll_timeout_ms
         self.max_records = max_records
-        self.offsets: dict[TopicPartition, OffsetTracker] = {}
+        self.offsets = offsets  # shared with the handler, which holds offsets through it
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._paused = False
         # Partitions whose assignment callback has completed. aiokafka may hand out
@@ -77,15 +84,9 @@ class ConsumerLoop:
 
     # --- offsets ------------------------------------------------------------------
 
-    def tracker(self, tp: TopicPartition) -> OffsetTracker:
-        tracker = self.offsets.get(tp)
-        if tracker is None:
-            tracker = self.offsets[tp] = OffsetTracker()
-        return tracker
-
     async def commit(self, partitions: list[TopicPartition] | None = None) -> None:
         offsets = {}
-        for tp in partitions if partitions is not None else list(self.offsets):
+        for tp in partitions if partitions is not None else self.offsets.partitions():
             tracker = self.offsets.get(tp)
             if tracker is None:
                 continue
@@ -134,7 +135,7 @@ class ConsumerLoop:
                 await loop.handler.on_revoked(revoked)
                 await loop.commit(revoked)
                 for tp in revoked:
-                    loop.offsets.pop(tp, None)
+                    loop.offsets.drop(tp)
                     loop._committed.pop(tp, None)
                     loop._ready.discard(tp)
 
@@ -143,7 +144,7 @@ class ConsumerLoop:
                 log.info("partitions assigned: %s", sorted(tp.partition for tp in assigned))
                 metadata = await loop._committed_metadata(assigned) if assigned else {}
                 for tp in assigned:
-                    loop.offsets[tp] = OffsetTracker()
+                    loop.offsets.reset(tp)
                 await loop.handler.on_assigned(assigned, metadata)
                 loop._ready.update(assigned)
                 if loop._paused and assigned:
@@ -174,7 +175,7 @@ class ConsumerLoop:
                     if tp not in self._ready:
                         self.consumer.seek(tp, messages[0].offset)
                         continue
-                    tracker = self.tracker(tp)
+                    tracker = self.offsets.tracker(tp)
                     for message in messages:
                         tracker.seen(message.offset)
                         await self.handler.handle(message)

@@ -8,7 +8,13 @@ owner of the partition re-reads everything that was not finished, and nothing is
 
 from __future__ import annotations
 
+import asyncio
 import heapq
+from typing import Callable
+
+from aiokafka import TopicPartition
+
+Release = Callable[[], None]
 
 
 class OffsetTracker:
@@ -50,3 +56,56 @@ class OffsetTracker:
         if self._heap:
             return self._heap[0]
         return self.next_offset
+
+
+class PartitionOffsets:
+    """The trackers of the partitions a worker owns. Handlers see only `hold(message)`,
+    which returns the one call that releases that hold; the consumer loop creates and
+    drops trackers as partitions come and go. A release that comes after its partition
+    was revoked (and maybe assigned again) is a no-op: it never touches the new tracker."""
+
+    def __init__(self):
+        self._trackers: dict[TopicPartition, OffsetTracker] = {}
+
+    def hold(self, message) -> Release:
+        tp = TopicPartition(message.topic, message.partition)
+        tracker = self.tracker(tp)
+        offset = message.offset
+        tracker.hold(offset)
+
+        def release() -> None:
+            if self._trackers.get(tp) is tracker:
+                tracker.release(offset)
+        return release
+
+    # --- the consumer loop's side ---------------------------------------------------------
+
+    def tracker(self, tp: TopicPartition) -> OffsetTracker:
+        tracker = self._trackers.get(tp)
+        if tracker is None:
+            tracker = self._trackers[tp] = OffsetTracker()
+        return tracker
+
+    def get(self, tp: TopicPartition) -> OffsetTracker | None:
+        return self._trackers.get(tp)
+
+    def reset(self, tp: TopicPartition) -> None:
+        self._trackers[tp] = OffsetTracker()
+
+    def drop(self, tp: TopicPartition) -> None:
+        self._trackers.pop(tp, None)
+
+    def partitions(self) -> list[TopicPartition]:
+        return list(self._trackers)
+
+    def items(self):
+        return self._trackers.items()
+
+
+def release_when_acked(future: asyncio.Future, release: Release) -> None:
+    """Release once the broker acknowledged; a failed publish keeps the hold, so the
+    partition's next owner does the work again."""
+    def done(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            release()
+    future.add_done_callback(done)

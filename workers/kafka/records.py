@@ -11,16 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import MSGPACK, Headers, decode_record, encode, headers_for
+from schemas.headers import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION, HEADER_DLQ_TIME,
+                             HEADER_DLQ_TOPIC)
 
-HEADER_ATTEMPT = "genpipe-attempt"
-HEADER_SEQ = "genpipe-seq"
-HEADER_FINAL = "genpipe-final"
-HEADER_RESTART = "genpipe-restart"
-HEADER_DLQ_TOPIC = "genpipe-dlq-source-topic"
-HEADER_DLQ_PARTITION = "genpipe-dlq-source-partition"
-HEADER_DLQ_OFFSET = "genpipe-dlq-source-offset"
-HEADER_DLQ_ERROR = "genpipe-dlq-error"
-HEADER_DLQ_TIME = "genpipe-dlq-time-ms"
 
 
 @dataclass

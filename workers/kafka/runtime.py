@@ -14,18 +14,19 @@ from typing import Awaitable, Callable
 
 from workers.kafka.clients import KafkaUnreachable, make_producer, start_client
 from workers.kafka.loop import ConsumerLoop, Handler
+from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher, request_size_for
 from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
 
-HandlerFactory = Callable[[Publisher, ConsumerLoop], Handler]
+HandlerFactory = Callable[[Publisher, PartitionOffsets], Handler]
 
 
 async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_handler: HandlerFactory,
                 stop: asyncio.Event | None = None, grace_s: float = 30.0,
-                background: Callable[[Publisher, ConsumerLoop, asyncio.Event], list[Awaitable]] | None = None,
+                background: Callable[[asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
                 on_ready: Callable[[], None] | None = None, worker: str = "worker",
                 max_record_bytes: int = MAX_RECORD_BYTES) -> int:
@@ -62,9 +63,10 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                            f"{'do' if len(missing) > 1 else 'does'} not exist on {settings.bootstrap_servers} "
                            f"(or this worker may not see {'them' if len(missing) > 1 else 'it'}): create them with "
                            f"`genpipe topics create --topic-prefix {settings.topic_prefix}`")
-    consumer_loop = ConsumerLoop(settings, topic, group_id, None, worker=worker, **(loop_options or {}))
-    consumer_loop.handler = make_handler(publisher, consumer_loop)  # handlers hold offsets via the loop
-    tasks = [asyncio.ensure_future(t) for t in (background(publisher, consumer_loop, stop) if background else [])]
+    offsets = PartitionOffsets()
+    consumer_loop = ConsumerLoop(settings, topic, group_id, make_handler(publisher, offsets), offsets,
+                                 worker=worker, **(loop_options or {}))
+    tasks = [asyncio.ensure_future(t) for t in (background(stop) if background else [])]
     failures: list[BaseException] = []
 
     def watch(task: asyncio.Future) -> None:

@@ -1,4 +1,4 @@
-"""CLI commands of the generate side: `genpipe model tiny` (and later the worker).
+"""`genpipe model tiny`: build and inspect the built-in tiny model.
 
 Heavy imports (torch, transformers) stay inside the command functions so that
 `genpipe --help` starts fast.
@@ -81,7 +81,7 @@ def _add_model(subparsers) -> None:
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
-    from workers.generate import tinymodel
+    from workers.models import tinymodel
 
     started = time.perf_counter()
     if args.out is None:

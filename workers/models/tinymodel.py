@@ -26,6 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from workers.cache import cache_root
+
 # Bump whenever the output of a build changes; it names the cache directory.
 BUILDER_VERSION = 1
 KINDS = ("spm", "bytelevel")
@@ -327,6 +329,9 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(
         bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, do_sample=False
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in `model tiny` or the demo
     model.save_pretrained(out, safe_serialization=True)
 
     _write_json(
@@ -355,8 +360,10 @@ def read_manifest(model_dir: str | os.PathLike) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- cache
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("GENPIPE_CACHE_DIR") or Path.home() / ".cache" / "genpipe")
+def cached_model_dir(kind: str = "spm") -> Path | None:
+    """The cached tiny model of `kind` if it is built already, else None."""
+    target = cache_root() / "models" / f"tiny-{kind}-v{BUILDER_VERSION}"
+    return target if _is_valid(target, kind) else None
 
 
 def default_model_dir(kind: str = "spm") -> Path:

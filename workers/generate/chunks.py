@@ -1,0 +1,146 @@
+"""A running request's chunk state, and turning its pending tokens into chunk records
+that fit (docs/design.md §3-4). No Kafka I/O and no engine here: the handler decides when
+to take chunks and publishes them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiokafka import TopicPartition
+
+from schemas import ChunkError, GenerateChunk, GenerateLogProbs, GenerateRequest
+from workers.kafka.offsets import Release
+from workers.kafka.records import Outgoing
+from workers.metrics import CHUNKS, TOKENS, series
+
+PROMPT_TAIL = 8  # prompt ids sent on chunk 0 to seed the detokenizer (docs/design.md §3)
+W = "generate"  # metrics label
+
+
+@dataclass
+class ChunkPolicy:
+    """When to publish a request's pending tokens (docs/design.md §4 coalescing)."""
+
+    lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
+    max_tokens: int = 16  # at most this many tokens per chunk while coalescing
+    max_delay_s: float = 0.02  # never hold a token longer than this
+
+    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
+        if pending == 0:
+            return False
+        return in_flight < self.lag_threshold or pending >= self.max_tokens or waited_s >= self.max_delay_s
+
+
+@dataclass
+class InFlight:
+    """One request between its record and its final chunk."""
+
+    request: GenerateRequest
+    tp: TopicPartition
+    offset: int  # of the request record (chunk seq 0 carries it as request_offset)
+    release: Release  # lets the loop commit past the request record (once its final chunk is acked)
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    seq: int = 0
+    token_offset: int = 0  # output index of the first pending token
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)
+    pending_since: float = 0.0
+    prompt_logprobs: list | None = None
+    sampled_at_ns: int | None = None
+    closed: bool = False  # the final chunk is taken: nothing may follow it
+    received_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+
+
+@dataclass
+class Final:
+    """How a request ends: what its last chunk carries."""
+
+    finish_reason: str
+    error: ChunkError | None = None
+    stop_token_id: int | None = None
+
+
+class ChunkBuilder:
+    def __init__(self, topic: str, policy: ChunkPolicy, fits: Callable[[Outgoing], bool], max_record_bytes: int):
+        self.topic = topic
+        self.policy = policy
+        self.fits = fits
+        self.max_record_bytes = max_record_bytes
+
+    def take(self, state: InFlight, final: Final | None = None) -> tuple[list[Outgoing], str | None]:
+        """All of the request's pending tokens as chunk records; the last one carries
+        `final`. A chunk holds at most `policy.max_tokens` tokens: they pile up past that
+        while a publish is under way (steps keep coming), and are cut here. A chunk over
+        the record size limit (many logprobs) is cut smaller; one that cannot be (a single
+        token's, or the prompt's, logprobs) ends the request with an error chunk, which
+        the broker would otherwise refuse after the work was done. Returns the records and,
+        in that case, the error's message."""
+        size = max(1, self.policy.max_tokens)
+        records = []
+        while True:
+            count = min(size, len(state.pending_ids))
+            while True:
+                last = count == len(state.pending_ids)
+                record = self._outgoing(state, self._chunk(state, count, final if last else None))
+                fits = self.fits(record)
+                if fits or count <= 1:
+                    break
+                count //= 2
+            if not fits:
+                message, record = self._too_large(state, record.size())
+                records.append(record)
+                return records, message
+            self._advance(state, count)
+            records.append(record)
+            if last:
+                return records, None
+
+    def _chunk(self, state: InFlight, count: int, final: Final | None) -> GenerateChunk:
+        """The first `count` pending tokens as the request's next chunk (state unchanged)."""
+        request = state.request
+        token_ids = state.pending_ids[:count]
+        first = state.seq == 0
+        return GenerateChunk(
+            request_id=request.request_id, attempt=state.attempt, seq=state.seq,
+            token_offset=state.token_offset, token_ids=token_ids,
+            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
+                      if request.sampling.logprobs is not None and token_ids else None),
+            finish_reason=final.finish_reason if final else None,
+            stop_token_id=final.stop_token_id if final else None,
+            error=final.error if final else None,
+            sampled_at_ns=state.sampled_at_ns or time.time_ns(),
+            # seq 0 only: the prompt's facts and the options derender needs
+            prompt_token_count=len(request.prompt_token_ids) if first else None,
+            prompt_tail_ids=request.prompt_token_ids[-PROMPT_TAIL:] if first else None,
+            prompt_logprobs=state.prompt_logprobs if first else None,
+            output=request.output if first else None,
+            reply_topic=request.reply_topic if first else None,
+            request_offset=state.offset if first else None)
+
+    def _advance(self, state: InFlight, count: int) -> None:
+        """The chunk of the first `count` pending tokens is taken: number the next one."""
+        series(CHUNKS, W).inc()
+        series(TOKENS, W).inc(count)
+        state.seq += 1
+        state.token_offset += count
+        del state.pending_ids[:count], state.pending_logprobs[:count]
+
+    def _too_large(self, state: InFlight, size: int) -> tuple[str, Outgoing]:
+        """The error chunk that ends a request whose next chunk cannot be published."""
+        what = "the prompt's logprobs" if state.seq == 0 and state.prompt_logprobs else "one token's logprobs"
+        message = (f"chunk too large: {what} encode to {size} bytes, over the record size limit of "
+                   f"{self.max_record_bytes} bytes; ask for fewer logprobs (or raise the "
+                   f"workers' --max-record-bytes together with the broker's message.max.bytes)")
+        state.pending_ids, state.pending_logprobs, state.prompt_logprobs = [], [], None
+        chunk = self._chunk(state, 0, Final("error", ChunkError(message=message)))
+        self._advance(state, 0)
+        return message, self._outgoing(state, chunk)
+
+    def _outgoing(self, state: InFlight, chunk: GenerateChunk) -> Outgoing:
+        # Same partition number as the request: one request's records stay on one
+        # partition number end to end (docs/design.md §2), whatever partitioner the client used.
+        return Outgoing(self.topic, state.request.request_id, chunk, partition=state.tp.partition)

@@ -1,0 +1,1 @@
+"""Models genpipe builds itself (the built-in tiny model), shared by both workers."""
