@@ -88,6 +88,6 @@ def test_a_worker_whose_topics_do_not_exist_says_so_at_start(kafka_settings, tin
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     p = kafka_settings.topic_prefix
     assert errors == [
-        f"genpipe derender-worker: error: topics {p}.requests, {p}.chunks, {p}.results, {p}.cancel, {p}.dlq "
+        f"genpipe derender-worker: error: topics {p}.chunks, {p}.results, {p}.cancel, {p}.dlq "
         f"do not exist on {kafka_settings.bootstrap_servers} (or this worker may not see them): create them "
         f"with `genpipe topics create --topic-prefix {p}`"]

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "workers.models.commands",
     "workers.derender.commands",
     "workers.client_commands",
+    "workers.derender.replay",
     "schemas.commands",
 ]
 

@@ -472,17 +472,16 @@ class GenpipeClient:
             queue.put_nowait(self._closed)
 
     async def _dispatch(self) -> None:
-        consumer = self._consumer
+        from workers.kafka.follow import batches
+
         try:
-            while True:
-                batch = await consumer.getmany(timeout_ms=100)
-                for messages in batch.values():
-                    for message in messages:
-                        if message.key is None:
-                            continue
-                        queue = self._waiting.get(message.key.decode("utf-8", "replace"))
-                        if queue is not None:
-                            queue.put_nowait(message)
+            async for records in batches(self._consumer):
+                for message in records:
+                    if message.key is None:
+                        continue
+                    queue = self._waiting.get(message.key.decode("utf-8", "replace"))
+                    if queue is not None:
+                        queue.put_nowait(message)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the follower broke: wake every waiting request

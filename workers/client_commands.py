@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
-from workers.derender.commands import add_derender_options
 from workers.startup import one_line as _one_line
-from workers.worker_commands import at_least
+from workers.cli_options import quiet_kafka_logs, resolve_topic, topic_arg
+from workers.kafka.settings import KafkaSettings
 
 _SUBMIT_EPILOG = """\
 examples:
@@ -46,55 +45,9 @@ examples:
   genpipe tail --topic chunks --from-beginning --idle-exit 2 > chunks.jsonl
 """
 
-_REPLAY_EPILOG = """\
-The chunk topic is the durable log of everything the model sampled; replaying a range
-of it through a fresh derenderer reproduces the results record for record (values and
-headers), e.g. after a derender bug fix or to fill a new topic:
-
-  genpipe replay --from 0 --to-topic genpipe.results-v2
-  genpipe replay --from 2025-01-31T12:00:00Z --out results.jsonl
-
---from OFFSET applies to every partition (clipped to the oldest retained offset);
---from ISO-TIME starts each partition at its first record at or after that time. The
-range ends at --to OFFSET (exclusive) or at the end offsets seen when the replay starts.
-Requests whose first chunk (seq 0) lies before the range cannot be rebuilt and are
-skipped and reported on stderr. Cancels (stop strings) are not sent.
-The --out lines have the format of `genpipe derender --out`.
-"""
-
-
 def register(subparsers) -> None:
     _add_submit(subparsers)
     _add_tail(subparsers)
-    _add_replay(subparsers)
-
-
-def _kafka_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.kafka.settings import KafkaSettings
-
-    KafkaSettings.add_arguments(parser)
-
-
-def _topic_arg(value: str) -> str:
-    if not value.strip():
-        raise argparse.ArgumentTypeError("topic must not be empty")
-    return value.strip()
-
-
-def _resolve_topic(settings, value: str | None, default_role: str) -> str:
-    from workers.kafka.settings import TOPIC_ROLES
-
-    if value is None:
-        return settings.topic(default_role)
-    return settings.topic(value) if value in TOPIC_ROLES else value
-
-
-def _quiet_kafka_logs(verbose: bool = False) -> None:
-    """aiokafka logs connection errors itself; a command reports them as one line."""
-    import logging
-
-    if not verbose:
-        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
 
 # ---------------------------------------------------------------------------------- submit
@@ -187,7 +140,7 @@ def _add_submit(subparsers) -> None:
 
     d = p.add_argument_group("delivery")
     d.add_argument("--request-id", default=None, help="request id (default: a new uuid)")
-    d.add_argument("--reply-topic", type=_topic_arg, default=None, metavar="TOPIC",
+    d.add_argument("--reply-topic", type=topic_arg, default=None, metavar="TOPIC",
                    help="topic for the results (must exist; default: <prefix>.results)")
     d.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="abort generation S seconds from now (finish_reason=abort)")
@@ -200,7 +153,7 @@ def _add_submit(subparsers) -> None:
                    help="print the raw result records, one JSON line each, instead of the text")
     r.add_argument("-v", "--verbose", action="store_true",
                    help="print the request id, finish reason and usage on stderr")
-    _kafka_arguments(p)
+    KafkaSettings.add_arguments(p)
     p.set_defaults(func=run_submit)
 
 
@@ -257,7 +210,7 @@ def run_submit(args: argparse.Namespace) -> int:
             deadline_s=args.deadline_s, priority=args.priority)
     except ValueError as exc:
         return fail(_one_line(exc))
-    _quiet_kafka_logs(args.verbose)
+    quiet_kafka_logs(args.verbose)
     try:
         return asyncio.run(_submit(args, request))
     except BrokenPipeError:
@@ -379,7 +332,7 @@ def _add_tail(subparsers) -> None:
         epilog=_TAIL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--topic", type=_topic_arg, default=None, metavar="TOPIC",
+    p.add_argument("--topic", type=topic_arg, default=None, metavar="TOPIC",
                    help="a role (requests, chunks, results, cancel, dlq) or a full topic name "
                         "(default: results)")
     p.add_argument("--request-id", default=None, metavar="ID",
@@ -391,7 +344,7 @@ def _add_tail(subparsers) -> None:
     p.add_argument("--max-records", type=int, default=None, metavar="N", help="exit after printing N records")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S",
                    help="exit when no record arrived for S seconds")
-    _kafka_arguments(p)
+    KafkaSettings.add_arguments(p)
     p.set_defaults(func=run_tail)
 
 
@@ -399,7 +352,7 @@ def run_tail(args: argparse.Namespace) -> int:
 
     from aiokafka.errors import KafkaError
 
-    _quiet_kafka_logs()
+    quiet_kafka_logs()
     try:
         return asyncio.run(_tail(args))
     except BrokenPipeError:
@@ -414,12 +367,12 @@ async def _tail(args: argparse.Namespace) -> int:
     from schemas import header_value
     from workers.client import record_json
     from workers.kafka.clients import make_consumer
-    from workers.kafka.follow import assign_all
     from schemas.headers import HEADER_FINAL
+    from workers.kafka.follow import assign_all, batches
     from workers.kafka.settings import KafkaSettings
 
     settings = KafkaSettings.from_args(args, client_id="genpipe-tail")
-    topic = _resolve_topic(settings, args.topic, "results")
+    topic = resolve_topic(settings, args.topic, "results")
     consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
     printed = 0
     try:
@@ -427,243 +380,24 @@ async def _tail(args: argparse.Namespace) -> int:
         await assign_all(consumer, topic, 0 if args.from_beginning else None)
         last = time.monotonic()
         out = sys.stdout
-        while True:
-            batch = await consumer.getmany(timeout_ms=100)
-            if batch:
+        async for records in batches(consumer):
+            if records:
                 last = time.monotonic()
             elif args.idle_exit is not None and time.monotonic() - last >= args.idle_exit:
                 return 0
-            for messages in batch.values():
-                for message in messages:
-                    key = message.key.decode("utf-8", "replace") if message.key is not None else None
-                    if args.request_id is not None and key != args.request_id:
-                        continue
-                    out.write(record_json(message).decode() + "\n")
-                    printed += 1
-                    if args.max_records is not None and printed >= args.max_records:
-                        out.flush()
-                        return 0
-                    if args.until_final and header_value(message.headers, HEADER_FINAL) == "1":
-                        out.flush()
-                        return 0
+            for message in records:
+                key = message.key.decode("utf-8", "replace") if message.key is not None else None
+                if args.request_id is not None and key != args.request_id:
+                    continue
+                out.write(record_json(message).decode() + "\n")
+                printed += 1
+                if args.max_records is not None and printed >= args.max_records:
+                    out.flush()
+                    return 0
+                if args.until_final and header_value(message.headers, HEADER_FINAL) == "1":
+                    out.flush()
+                    return 0
             out.flush()
+        return 0
     finally:
         await consumer.stop()
-
-
-# ---------------------------------------------------------------------------------- replay
-
-
-def _add_replay(subparsers) -> None:
-    p = subparsers.add_parser(
-        "replay",
-        help="re-derender a range of the chunk topic into a topic or a file",
-        description="Re-derender a range of the chunk topic (every partition) with a fresh "
-                    "derenderer and write the results to a topic or a JSON-lines file.",
-        epilog=_REPLAY_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--from", dest="start", required=True, metavar="OFFSET|ISO-TIME",
-                   help="first offset (every partition) or a time such as 2025-01-31T12:00:00Z")
-    p.add_argument("--to", dest="end", type=int, default=None, metavar="OFFSET",
-                   help="stop before this offset in every partition (default: the end offsets "
-                        "when the replay starts)")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--to-topic", type=_topic_arg, metavar="TOPIC",
-                        help="publish the results to this (existing) topic")
-    target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
-    p.add_argument("--chunks-topic", type=_topic_arg, default=None, metavar="TOPIC",
-                   help="topic to read (default: <prefix>.chunks)")
-    p.add_argument("--max-record-bytes", type=at_least(1024),
-                   default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", "1000000"),
-                   help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
-                        "%(default)s): a result over it becomes the same error result the worker published")
-    add_derender_options(p)
-    _kafka_arguments(p)
-    p.set_defaults(func=run_replay)
-
-
-def parse_start(value: str) -> tuple[str, int]:
-    """`--from`: ("offset", n) or ("time", epoch ms)."""
-    from datetime import datetime
-
-    text = value.strip()
-    try:
-        offset = int(text)
-    except ValueError:
-        pass
-    else:
-        if offset < 0:
-            raise ValueError(f"--from offset must be >= 0, got {offset}")
-        return "offset", offset
-    try:
-        when = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
-    except ValueError:
-        raise ValueError(f"--from must be an offset or an ISO time such as 2025-01-31T12:00:00Z, "
-                         f"got {value!r}") from None
-    return "time", int(when.timestamp() * 1000)  # a time without offset is local time
-
-
-def run_replay(args: argparse.Namespace) -> int:
-
-    from aiokafka.errors import KafkaError
-
-    from workers.derender.service import DerenderWorkerConfig
-    from workers.derender.state import Derenderer
-
-    try:
-        start = parse_start(args.start)
-    except ValueError as exc:
-        print(f"genpipe replay: {exc}", file=sys.stderr)
-        return 2
-    if args.end is not None and args.end < 0:
-        print("genpipe replay: --to must be >= 0", file=sys.stderr)
-        return 2
-    tokenizer = args.tokenizer
-    if tokenizer is None:
-        from workers.models.tinymodel import default_model_dir
-
-        tokenizer = str(default_model_dir("spm"))
-    model_name = args.model_name or DerenderWorkerConfig().model_name
-    try:
-        derenderer = Derenderer(tokenizer, model_name=model_name, max_logprobs=args.max_logprobs)
-    except (OSError, ValueError) as exc:
-        print(f"genpipe replay: cannot load tokenizer {tokenizer}: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    _quiet_kafka_logs()
-    sink = None
-    try:
-        if args.out is not None:
-            sink = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
-        summary = asyncio.run(replay(args, derenderer, start, sink))
-    except (KafkaError, RuntimeError, OSError) as exc:
-        print(f"genpipe replay: {_one_line(exc)}", file=sys.stderr)
-        return 1
-    finally:
-        if sink is not None and args.out != "-":
-            sink.close()
-    print(f"genpipe replay: {summary['chunks']} chunks from {summary['partitions']} partition(s) -> "
-          f"{summary['results']} results to {summary['target']}; {summary['skipped_requests']} partial "
-          f"request(s) skipped, {summary['undecodable']} undecodable chunk(s), "
-          f"{summary['unfinished']} unfinished request(s)", file=sys.stderr)
-    return 0
-
-
-STALL_S = 60.0  # replay: give up when the range stops advancing this long
-
-
-async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], sink) -> dict:
-
-    from aiokafka import TopicPartition
-
-    from schemas import JSON, GenerateChunk, RecordError
-    from workers.derender.filemode import result_line
-    from workers.derender.state import Result
-    from workers.derender.worker import within_record_limit
-    from workers.kafka.clients import make_consumer, make_producer
-    from workers.kafka.publisher import Publisher, request_size_for
-    from workers.kafka.records import Outgoing, decode_message
-    from workers.kafka.settings import KafkaSettings
-
-    settings = KafkaSettings.from_args(args, client_id="genpipe-replay")
-    topic = _resolve_topic(settings, args.chunks_topic, "chunks")
-    summary = {"chunks": 0, "results": 0, "skipped_requests": 0, "undecodable": 0, "unfinished": 0,
-               "partitions": 0, "target": args.to_topic or args.out}
-    consumer = make_consumer(settings, group_id=None, auto_offset_reset="earliest")
-    producer = None
-    try:
-        await consumer.start()
-        parts = consumer.partitions_for_topic(topic)
-        if not parts:
-            await consumer._client.force_metadata_update()
-            parts = consumer.partitions_for_topic(topic)
-        if not parts:
-            raise RuntimeError(f"topic {topic!r} does not exist")
-        if args.to_topic is not None and args.to_topic not in await consumer.topics():
-            raise RuntimeError(f"topic {args.to_topic!r} does not exist: create it first "
-                               f"(auto-creation is off on genpipe brokers)")
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        begins = await consumer.beginning_offsets(tps)
-        ends = await consumer.end_offsets(tps)  # captured now: the replay stops here
-        if start[0] == "time":
-            found = await consumer.offsets_for_times({tp: start[1] for tp in tps})
-            first = {tp: found[tp].offset if found.get(tp) is not None else ends[tp] for tp in tps}
-        else:
-            first = {tp: max(start[1], begins[tp]) for tp in tps}
-        stop = {tp: ends[tp] if args.end is None else min(ends[tp], args.end) for tp in tps}
-        active = {tp for tp in tps if first[tp] < stop[tp]}
-        summary["partitions"] = len(active)
-        for tp in tps:
-            consumer.seek(tp, min(first[tp], stop[tp]))
-        if active != set(tps):
-            consumer.pause(*(set(tps) - active))
-
-        publisher = None
-        if args.to_topic is not None:
-            producer = make_producer(settings, max_request_size=request_size_for(args.max_record_bytes))
-            await producer.start()
-            publisher = Publisher(producer, settings.topic("dlq"), args.max_record_bytes)
-        skipped: set[str] = set()
-        failures: list = []
-        last_progress = time.monotonic()
-        while active:
-            batch = await consumer.getmany(*active, timeout_ms=200)
-            if batch:
-                last_progress = time.monotonic()
-            elif time.monotonic() - last_progress > STALL_S:
-                left = {tp.partition: (await consumer.position(tp), stop[tp]) for tp in active}
-                raise RuntimeError(f"no progress for {STALL_S:g} s reading {topic}; partition: "
-                                   f"(position, stop) = {left}")
-            for tp, messages in batch.items():
-                for message in messages:
-                    if message.offset >= stop[tp]:
-                        break
-                    try:
-                        chunk = decode_message(message, GenerateChunk)
-                    except RecordError as exc:
-                        summary["undecodable"] += 1
-                        print(f"genpipe replay: skipping undecodable chunk at {tp.topic}[{tp.partition}]"
-                              f"@{message.offset}: {_one_line(exc)}", file=sys.stderr)
-                        continue
-                    summary["chunks"] += 1
-                    rid = chunk.request_id
-                    if rid in skipped:
-                        continue
-                    if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
-                        skipped.add(rid)  # began before the range: cannot be rebuilt
-                        continue
-                    def to_record(output, partition=tp.partition) -> Outgoing:
-                        if not isinstance(output, Result):  # a cancel: never published here
-                            return Outgoing(settings.topic("cancel"), output.request_id, None)  # unused
-                        return Outgoing(args.to_topic or "", output.request_id, output.value, JSON,
-                                        headers=output.headers, partition=partition)
-
-                    for output, record in within_record_limit(derenderer, derenderer.process(chunk),
-                                                              to_record, args.max_record_bytes):
-                        if not isinstance(output, Result):
-                            continue  # a stop-string cancel: the live pipeline sent it already
-                        summary["results"] += 1
-                        if publisher is not None:
-                            future = await publisher.publish(record)
-                            future.add_done_callback(lambda f: failures.append(f.exception())
-                                                     if not f.cancelled() and f.exception() else None)
-                        else:
-                            sink.write(result_line(output))
-            for tp in list(active):
-                if await consumer.position(tp) >= stop[tp]:
-                    active.discard(tp)
-                    consumer.pause(tp)
-        if publisher is not None:
-            await publisher.flush()
-            if failures:
-                raise RuntimeError(f"{len(failures)} result(s) could not be published: {failures[0]}")
-        elif sink is not None:
-            sink.flush()
-        summary["skipped_requests"] = len(skipped)
-        summary["unfinished"] = len(derenderer.active_requests())
-        return summary
-    finally:
-        await consumer.stop()
-        if producer is not None:
-            await producer.stop()

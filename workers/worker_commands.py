@@ -8,24 +8,10 @@ import logging
 import os
 import sys
 
+from workers.cli_options import add_max_logprobs, at_least
+from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
-from workers.kafka.settings import KafkaSettings
-
-
-def at_least(minimum, kind=int):
-    """An argparse type: a number of `kind` no smaller than `minimum`, so a bad flag is a
-    one-line usage error rather than a traceback from deep inside the worker. Defaults
-    from the environment are given as strings, so argparse checks them the same way."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if not value >= minimum:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
-        return value
-    return parse
+from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 
 
 def _pattern(text: str) -> str:
@@ -49,16 +35,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "<topic-prefix>-derender, so deployments with different prefixes never share a group)")
     parser.add_argument("--metrics-port", type=at_least(0), default=os.environ.get("GENPIPE_METRICS_PORT", "0"),
                         help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
-    parser.add_argument("--max-logprobs", type=at_least(-1), default=os.environ.get("GENPIPE_MAX_LOGPROBS", "20"),
-                        help="largest logprobs/top_logprobs a request may ask for; -1 = no cap "
-                             "(env GENPIPE_MAX_LOGPROBS; default %(default)s). Use the same value "
-                             "for both workers.")
+    add_max_logprobs(parser)
     parser.add_argument("--grace-period", type=at_least(0.0, float), default=None,
                         help="seconds to finish in-flight work after SIGTERM")
     parser.add_argument("--commit-interval-ms", type=at_least(1.0, float), default=500.0,
                         help="how often finished work is committed (default %(default)s ms)")
     parser.add_argument("--max-record-bytes", type=at_least(1024),
-                        default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", "1000000"),
+                        default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", str(MAX_RECORD_BYTES)),
                         help="largest record to publish (env GENPIPE_MAX_RECORD_BYTES; default "
                              "%(default)s, under Kafka's default 1 MiB limit). A chunk or result that "
                              "would be larger is cut or, when it cannot be, replaced by an error for its "
@@ -197,7 +180,7 @@ def register(sub) -> None:
     der.add_argument("--tokenizer", default=os.environ.get("GENPIPE_TOKENIZER"),
                      help="local Hugging Face tokenizer directory (env GENPIPE_TOKENIZER; default: "
                           "the built-in tiny model's)")
-    der.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", "genpipe-tiny"),  # = derender.state.DEFAULT_MODEL_NAME
+    der.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
                      help="`model` in results when the request names none (default %(default)s)")
     _common(der)
     der.set_defaults(func=_run_derender)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from workers.cli_options import add_max_logprobs
 from workers.derender.state import DEFAULT_MODEL_NAME
 
 
@@ -15,8 +16,7 @@ def add_derender_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
                    help="`model` of results whose request did not name one (default: %(default)s, "
                         "as the derender worker)")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="more top entries than this per position is an error (default: 20)")
+    add_max_logprobs(p)
 
 
 def register(subparsers) -> None:

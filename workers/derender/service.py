@@ -8,6 +8,7 @@ from typing import Callable
 
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.derender.worker import DerenderHandler
+from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
@@ -19,7 +20,7 @@ from workers.startup import StartupError, one_line
 class DerenderWorkerConfig:
     tokenizer: str | None = None  # None: the built-in tiny spm model's tokenizer
     model_name: str = DEFAULT_MODEL_NAME  # `model` in results when the request names none
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     group_id: str = "genpipe-derender"
     grace_s: float = 10.0
     commit_interval_s: float = 0.5
@@ -50,4 +51,5 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,
                        worker="derender", loop_options={"commit_interval_s": config.commit_interval_s},
-                       max_record_bytes=config.max_record_bytes)
+                       max_record_bytes=config.max_record_bytes,
+                       uses=[settings.topic("results"), settings.topic("cancel")])

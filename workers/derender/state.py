@@ -3,7 +3,8 @@
 `Derenderer.process(chunk)` is pure and synchronous: one decoded `GenerateChunk` in,
 a list of outputs (`Result` records to publish, `CancelRequest`s for the cancel topic)
 out, in the order they must be published. The Kafka layer wraps it; it never needs to
-look inside a request's state except through `active_requests()` / `is_finished()`.
+look inside a request's state except through `is_active()` / `is_finished()` (and
+`active_requests()`, the ids whose first offsets pin commits).
 
 Rules, in the order they are applied to a chunk:
 1. A request in the recently-finished set ignores every later chunk (any attempt), but
@@ -31,6 +32,7 @@ import msgspec
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
+from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.derender import shaping
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
@@ -89,7 +91,8 @@ class Derenderer:
     """Chunks in, OpenAI-shaped results out. Not thread-safe; one per consumer (or per
     partition: pass the same `VocabTables`/`Corrector` to share tables and cache)."""
 
-    def __init__(self, tokenizer_dir_or_tables, *, model_name: str = DEFAULT_MODEL_NAME, max_logprobs: int = 20,
+    def __init__(self, tokenizer_dir_or_tables, *, model_name: str = DEFAULT_MODEL_NAME,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  finished_memory: int = 100_000, corrector: Corrector | None = None):
         if isinstance(tokenizer_dir_or_tables, VocabTables):
             tables = tokenizer_dir_or_tables

@@ -15,6 +15,7 @@ from workers.generate.chunks import W, ChunkPolicy
 from workers.generate.worker import GenerateHandler
 from workers.kafka.follow import follow
 from workers.kafka.records import decode_message
+from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
@@ -33,7 +34,7 @@ class GenerateWorkerConfig:
     max_batch: int = 32
     max_model_len: int | None = None
     prefill_chunk: int = 512
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     group_id: str = "genpipe-generate"
     grace_s: float = 30.0
     commit_interval_s: float = 0.5
@@ -122,6 +123,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                            make_handler=make_handler, stop=stop, grace_s=config.grace_s,
                            background=background, on_ready=on_ready, worker=W,
                            loop_options={"commit_interval_s": config.commit_interval_s},
-                           max_record_bytes=config.max_record_bytes)
+                           max_record_bytes=config.max_record_bytes,
+                           uses=[settings.topic("chunks"), settings.topic("cancel")])
     finally:
         holder["engine"].stop()

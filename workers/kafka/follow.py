@@ -21,8 +21,8 @@ from workers.kafka.settings import KafkaSettings
 log = logging.getLogger(__name__)
 
 
-async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: float = 30.0) -> list[TopicPartition]:
-    """Assign every partition of `topic` and seek to `since_ms` (None: the end)."""
+async def partitions_of(consumer, topic: str, timeout_s: float = 30.0) -> list[TopicPartition]:
+    """Every partition of `topic`, waiting up to `timeout_s` for the metadata."""
     deadline = time.monotonic() + timeout_s
     partitions = consumer.partitions_for_topic(topic)
     while not partitions:
@@ -38,7 +38,12 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
             await asyncio.sleep(0.1)
-    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+
+async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: float = 30.0) -> list[TopicPartition]:
+    """Assign every partition of `topic` and seek to `since_ms` (None: the end)."""
+    tps = await partitions_of(consumer, topic, timeout_s)
     # Both lookups before assigning: the ends first, so a record that lands between the
     # two is either found by the time lookup or at/after the end we fall back to — never
     # skipped (the other order lost a cancel produced while a generate worker started).
@@ -53,6 +58,50 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
     return tps
 
 
+async def assign_range(consumer, topic: str, start: tuple[str, int], end: int | None = None,
+                       timeout_s: float = 30.0) -> dict[TopicPartition, int]:
+    """Assign the partitions of `topic` that have records in a range, positioned at its
+    start; return each one's stop offset (exclusive). `start` is ("offset", n), the same
+    offset in every partition (clipped to the oldest retained one), or ("time", epoch ms),
+    each partition's first record at or after it. The range ends at `end` in every
+    partition or, without one, at the end offsets as of this call."""
+    tps = await partitions_of(consumer, topic, timeout_s)
+    consumer.assign(tps)
+    begins = await consumer.beginning_offsets(tps)
+    ends = await consumer.end_offsets(tps)
+    if start[0] == "time":
+        found = await consumer.offsets_for_times({tp: start[1] for tp in tps})
+        first = {tp: found[tp].offset if found.get(tp) is not None else ends[tp] for tp in tps}
+    else:
+        first = {tp: max(start[1], begins[tp]) for tp in tps}
+    stop = {tp: ends[tp] if end is None else min(ends[tp], end) for tp in tps}
+    active = {tp: stop[tp] for tp in tps if first[tp] < stop[tp]}
+    consumer.assign(list(active))
+    for tp in active:
+        consumer.seek(tp, first[tp])
+    return active
+
+
+async def batches(consumer, *, poll_ms: int = 100, until: dict[TopicPartition, int] | None = None):
+    """The records of the consumer's assigned partitions, one list per poll, in partition
+    order (a list may be empty, so a caller can notice an idle topic). With `until`
+    (partition -> stop offset), records at or past a partition's stop are left out and the
+    iteration ends once every partition has reached its stop."""
+    left = dict(until) if until is not None else None
+    while left is None or left:
+        fetched = await consumer.getmany(*(left or ()), timeout_ms=poll_ms)
+        records = []
+        for tp, messages in fetched.items():
+            stop = left.get(tp) if left is not None else None
+            records.extend(m for m in messages if stop is None or m.offset < stop)
+        yield records
+        if left is not None:
+            for tp in list(left):
+                if await consumer.position(tp) >= left[tp]:
+                    del left[tp]
+                    consumer.pause(tp)
+
+
 async def follow(settings: KafkaSettings, topic: str, on_record: Callable[[object], Awaitable[None] | None],
                  stop: asyncio.Event, *, since_ms: int | None = None, ready: asyncio.Event | None = None,
                  poll_timeout_ms: int = 20) -> None:
@@ -63,12 +112,12 @@ async def follow(settings: KafkaSettings, topic: str, on_record: Callable[[objec
         await assign_all(consumer, topic, since_ms)
         if ready is not None:
             ready.set()
-        while not stop.is_set():
-            batch = await consumer.getmany(timeout_ms=poll_timeout_ms)
-            for messages in batch.values():
-                for message in messages:
-                    result = on_record(message)
-                    if asyncio.iscoroutine(result):
-                        await result
+        async for records in batches(consumer, poll_ms=poll_timeout_ms):
+            for message in records:
+                result = on_record(message)
+                if asyncio.iscoroutine(result):
+                    await result
+            if stop.is_set():
+                return
     finally:
         await consumer.stop()

@@ -16,15 +16,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from workers.kafka.records import Outgoing, dlq_headers
+from workers.kafka.settings import MAX_RECORD_BYTES
 
 log = logging.getLogger(__name__)
 
-# The largest record a worker publishes (value, key and headers). Kafka's defaults refuse
-# a record batch over ~1 MiB (broker message.max.bytes, producer max.request.size); this
-# leaves room for the batch's own framing. A record over it would be refused by the
-# broker after the work was done, and its request would never finish: workers check
-# `fits()` first and publish something smaller (a cut chunk, an error) instead.
-MAX_RECORD_BYTES = 1_000_000
 
 
 # How long a worker waits to learn whether a topic exists. aiokafka alone waits its whole

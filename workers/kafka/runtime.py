@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from workers.kafka.clients import KafkaUnreachable, make_producer, start_client
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import MAX_RECORD_BYTES, Publisher, request_size_for
-from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
+from workers.kafka.settings import KafkaSettings
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,11 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 background: Callable[[asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
                 on_ready: Callable[[], None] | None = None, worker: str = "worker",
-                max_record_bytes: int = MAX_RECORD_BYTES) -> int:
+                max_record_bytes: int = MAX_RECORD_BYTES, uses: Sequence[str] = ()) -> int:
     """Run one worker until `stop` is set; return an exit code.
 
-    Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
+    `uses`: the topics the worker writes or follows besides `topic` (checked at start,
+    like `topic` and the DLQ). Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
     one (several workers in one process, tests), the caller decides when to stop.
     """
     loop = asyncio.get_running_loop()
@@ -56,7 +57,8 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
     # The deployment's own topics must exist: a worker that finds one missing only when it
     # first publishes there would stop mid-work; say it now, in one line.
-    missing = [t for t in (settings.topic(role) for role in TOPIC_ROLES) if not await publisher.partition_count(t)]
+    needed = dict.fromkeys([topic, *uses, settings.topic("dlq")])
+    missing = [t for t in needed if not await publisher.partition_count(t)]
     if missing:
         await producer.stop()
         raise StartupError(f"topic{'s' if len(missing) > 1 else ''} {', '.join(missing)} "

@@ -17,6 +17,13 @@ DEFAULT_TOPIC_PREFIX = "genpipe"
 # The five topics of docs/design.md §2, by role; their names are "<prefix>.<role>".
 TOPIC_ROLES = ("requests", "chunks", "results", "cancel", "dlq")
 
+# The largest record a worker publishes (value, key and headers). Kafka's defaults refuse
+# a record batch over ~1 MiB (broker message.max.bytes, producer max.request.size); this
+# leaves room for the batch's own framing. A record over it would be refused by the
+# broker after the work was done, and its request would never finish: workers check
+# `fits()` first and publish something smaller (a cut chunk, an error) instead.
+MAX_RECORD_BYTES = 1_000_000
+
 
 @dataclass(frozen=True)
 class KafkaSettings:

@@ -1,0 +1,57 @@
+"""Option parsing the `genpipe` commands share: numbers, topic names, quiet Kafka logs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def at_least(minimum, kind=int):
+    """An argparse type: a number of `kind` no smaller than `minimum`, so a bad flag is a
+    one-line usage error rather than a traceback from deep inside the worker. Defaults
+    from the environment are given as strings, so argparse checks them the same way."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not value >= minimum:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+    return parse
+
+
+def add_max_logprobs(parser: argparse.ArgumentParser) -> None:
+    """`--max-logprobs`, parsed the same by both workers and the offline derenderers."""
+    import os
+
+    from schemas.validation import DEFAULT_MAX_LOGPROBS
+
+    parser.add_argument("--max-logprobs", type=at_least(-1),
+                        default=os.environ.get("GENPIPE_MAX_LOGPROBS", str(DEFAULT_MAX_LOGPROBS)),
+                        help="largest logprobs/top_logprobs a request may ask for, and the most top "
+                             "entries a chunk may carry per position; -1 = no cap (env "
+                             "GENPIPE_MAX_LOGPROBS; default %(default)s). The same value for both "
+                             "workers, replay and file mode.")
+
+
+def topic_arg(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("topic must not be empty")
+    return value.strip()
+
+
+def resolve_topic(settings, value: str | None, default_role: str) -> str:
+    """A `--topic` value: a role name (`results`) means that topic of the prefix."""
+    from workers.kafka.settings import TOPIC_ROLES
+
+    if value is None:
+        return settings.topic(default_role)
+    return settings.topic(value) if value in TOPIC_ROLES else value
+
+
+def quiet_kafka_logs(verbose: bool = False) -> None:
+    """aiokafka logs connection errors itself; a command reports them as one line."""
+    if not verbose:
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)

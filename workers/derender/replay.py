@@ -1,0 +1,221 @@
+"""`genpipe replay`: re-derender a range of the chunk log into a topic or a file.
+
+The chunk topic is the durable log of everything the model sampled (docs/design.md §6):
+a fresh derenderer fed a range of it reproduces the workers' results record for record,
+by the same rules (`within_record_limit` included). It reads through the shared
+group-less follower (workers/kafka/follow.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from workers.cli_options import at_least, quiet_kafka_logs, resolve_topic, topic_arg
+from workers.derender.commands import add_derender_options
+from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
+from workers.startup import one_line
+
+_REPLAY_EPILOG = """\
+The chunk topic is the durable log of everything the model sampled; replaying a range
+of it through a fresh derenderer reproduces the results record for record (values and
+headers), e.g. after a derender bug fix or to fill a new topic:
+
+  genpipe topics create --topic genpipe.results-v2    # the target topic, once
+  genpipe replay --from 0 --to-topic genpipe.results-v2
+  genpipe replay --from 2025-01-31T12:00:00Z --out results.jsonl
+
+--from OFFSET applies to every partition (clipped to the oldest retained offset);
+--from ISO-TIME starts each partition at its first record at or after that time. The
+range ends at --to OFFSET (exclusive) or at the end offsets seen when the replay starts.
+Requests whose first chunk (seq 0) lies before the range cannot be rebuilt and are
+skipped and reported on stderr. Cancels (stop strings) are not sent.
+The --out lines have the format of `genpipe derender --out`.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="re-derender a range of the chunk topic into a topic or a file",
+        description="Re-derender a range of the chunk topic (every partition) with a fresh "
+                    "derenderer and write the results to a topic or a JSON-lines file.",
+        epilog=_REPLAY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--from", dest="start", required=True, metavar="OFFSET|ISO-TIME",
+                   help="first offset (every partition) or a time such as 2025-01-31T12:00:00Z")
+    p.add_argument("--to", dest="end", type=int, default=None, metavar="OFFSET",
+                   help="stop before this offset in every partition (default: the end offsets "
+                        "when the replay starts)")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-topic", type=topic_arg, metavar="TOPIC",
+                        help="publish the results to this (existing) topic")
+    target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
+    p.add_argument("--chunks-topic", type=topic_arg, default=None, metavar="TOPIC",
+                   help="topic to read (default: <prefix>.chunks)")
+    p.add_argument("--max-record-bytes", type=at_least(1024),
+                   default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", str(MAX_RECORD_BYTES)),
+                   help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
+                        "%(default)s): a result over it becomes the same error result the worker published")
+    add_derender_options(p)
+    KafkaSettings.add_arguments(p)
+    p.set_defaults(func=run_replay)
+
+
+def parse_start(value: str) -> tuple[str, int]:
+    """`--from`: ("offset", n) or ("time", epoch ms)."""
+    from datetime import datetime
+
+    text = value.strip()
+    try:
+        offset = int(text)
+    except ValueError:
+        pass
+    else:
+        if offset < 0:
+            raise ValueError(f"--from offset must be >= 0, got {offset}")
+        return "offset", offset
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise ValueError(f"--from must be an offset or an ISO time such as 2025-01-31T12:00:00Z, "
+                         f"got {value!r}") from None
+    return "time", int(when.timestamp() * 1000)  # a time without offset is local time
+
+
+def run_replay(args: argparse.Namespace) -> int:
+
+    from aiokafka.errors import KafkaError
+
+    from workers.derender.service import DerenderWorkerConfig
+    from workers.derender.state import Derenderer
+
+    try:
+        start = parse_start(args.start)
+    except ValueError as exc:
+        print(f"genpipe replay: {exc}", file=sys.stderr)
+        return 2
+    if args.end is not None and args.end < 0:
+        print("genpipe replay: --to must be >= 0", file=sys.stderr)
+        return 2
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from workers.models.tinymodel import default_model_dir
+
+        tokenizer = str(default_model_dir("spm"))
+    model_name = args.model_name or DerenderWorkerConfig().model_name
+    try:
+        derenderer = Derenderer(tokenizer, model_name=model_name, max_logprobs=args.max_logprobs)
+    except (OSError, ValueError) as exc:
+        print(f"genpipe replay: cannot load tokenizer {tokenizer}: {one_line(exc)}", file=sys.stderr)
+        return 2
+    quiet_kafka_logs()
+    sink = None
+    try:
+        if args.out is not None:
+            sink = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
+        summary = asyncio.run(replay(args, derenderer, start, sink))
+    except (KafkaError, RuntimeError, OSError) as exc:
+        print(f"genpipe replay: {one_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if sink is not None and args.out != "-":
+            sink.close()
+    print(f"genpipe replay: {summary['chunks']} chunks from {summary['partitions']} partition(s) -> "
+          f"{summary['results']} results to {summary['target']}; {summary['skipped_requests']} partial "
+          f"request(s) skipped, {summary['undecodable']} undecodable chunk(s), "
+          f"{summary['unfinished']} unfinished request(s)", file=sys.stderr)
+    return 0
+
+
+STALL_S = 60.0  # give up when the range stops advancing this long
+
+
+async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], sink) -> dict:
+    """Re-derender the chunk range; results to `args.to_topic` or `sink`; the summary."""
+    from schemas import JSON, GenerateChunk, RecordError
+    from workers.derender.filemode import result_line
+    from workers.derender.state import Result
+    from workers.derender.worker import within_record_limit
+    from workers.kafka.clients import make_consumer, make_producer, start_client
+    from workers.kafka.follow import assign_range, batches
+    from workers.kafka.publisher import Publisher, request_size_for
+    from workers.kafka.records import Outgoing, decode_message
+
+    settings = KafkaSettings.from_args(args, client_id="genpipe-replay")
+    topic = resolve_topic(settings, args.chunks_topic, "chunks")
+    summary = {"chunks": 0, "results": 0, "skipped_requests": 0, "undecodable": 0, "unfinished": 0,
+               "partitions": 0, "target": args.to_topic or args.out}
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="earliest")
+    producer = publisher = None
+    try:
+        await start_client(consumer, settings)
+        if args.to_topic is not None and args.to_topic not in await consumer.topics():
+            raise RuntimeError(f"topic {args.to_topic!r} does not exist: create it first "
+                               f"(genpipe topics create --topic {args.to_topic})")
+        stop = await assign_range(consumer, topic, start, args.end, timeout_s=5.0)
+        summary["partitions"] = len(stop)
+        if args.to_topic is not None:
+            producer = make_producer(settings, max_request_size=request_size_for(args.max_record_bytes))
+            await start_client(producer, settings)
+            publisher = Publisher(producer, settings.topic("dlq"), args.max_record_bytes)
+        skipped: set[str] = set()
+        failures: list = []
+        last_progress = time.monotonic()
+        async for records in batches(consumer, poll_ms=200, until=stop):
+            if records:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > STALL_S:
+                left = {tp.partition: (await consumer.position(tp), stop[tp]) for tp in stop}
+                raise RuntimeError(f"no progress for {STALL_S:g} s reading {topic}; partition: "
+                                   f"(position, stop) = {left}")
+            for message in records:
+                try:
+                    chunk = decode_message(message, GenerateChunk)
+                except RecordError as exc:
+                    summary["undecodable"] += 1
+                    print(f"genpipe replay: skipping undecodable chunk at {message.topic}[{message.partition}]"
+                          f"@{message.offset}: {one_line(exc)}", file=sys.stderr)
+                    continue
+                summary["chunks"] += 1
+                rid = chunk.request_id
+                if rid in skipped:
+                    continue
+                if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
+                    skipped.add(rid)  # began before the range: cannot be rebuilt
+                    continue
+
+                def to_record(output, partition=message.partition) -> Outgoing:
+                    if not isinstance(output, Result):  # a cancel: never published here
+                        return Outgoing(settings.topic("cancel"), output.request_id, None)  # unused
+                    return Outgoing(args.to_topic or "", output.request_id, output.value, JSON,
+                                    headers=output.headers, partition=partition)
+
+                for output, record in within_record_limit(derenderer, derenderer.process(chunk),
+                                                          to_record, args.max_record_bytes):
+                    if not isinstance(output, Result):
+                        continue  # a stop-string cancel: the live pipeline sent it already
+                    summary["results"] += 1
+                    if publisher is not None:
+                        future = await publisher.publish(record)
+                        future.add_done_callback(lambda f: failures.append(f.exception())
+                                                 if not f.cancelled() and f.exception() else None)
+                    else:
+                        sink.write(result_line(output))
+        if publisher is not None:
+            await publisher.flush()
+            if failures:
+                raise RuntimeError(f"{len(failures)} result(s) could not be published: {failures[0]}")
+        elif sink is not None:
+            sink.flush()
+        summary["skipped_requests"] = len(skipped)
+        summary["unfinished"] = len(derenderer.active_requests())
+        return summary
+    finally:
+        await consumer.stop()
+        if producer is not None:
+            await producer.stop()
