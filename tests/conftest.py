@@ -2,9 +2,12 @@
 
 Kafka comes from, in order (docs/design.md §7):
 1. ``GENPIPE_BOOTSTRAP_SERVERS`` if set (any broker; GENPIPE_* SASL/SSL settings apply);
-2. testcontainers' Kafka when a Docker engine answers;
+2. testcontainers' Kafka when a Docker engine answers *and* it has the image
+   (``GENPIPE_TEST_KAFKA_IMAGE``) locally: no registry is needed, and a machine without
+   one falls back (saying so once) instead of failing every Kafka test on a pull;
 3. the local broker from ``ops/kafka`` (``genpipe broker up``) on port 19092, started
    once and stopped at session end only if this session started it.
+``GENPIPE_TEST_KAFKA=docker`` or ``=local`` forces 2 or 3 (``auto``, the default, chooses).
 
 Tests that need Kafka say ``pytestmark = pytest.mark.kafka`` and use ``kafka_settings``
 (its own topic prefix per test, so tests never see each other's records) and
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import uuid
 
 import pytest
@@ -54,20 +58,26 @@ def _docker_socket_connects() -> bool:
     return True  # ssh:// and friends: let docker-py judge
 
 
-def _docker_answers() -> bool:
-    """True when a Docker engine answers within ~2 s (a CLI without a daemon does not count)."""
+def _docker_kafka_image() -> str | None:
+    """Why the testcontainers path cannot be used here, or None when it can: a Docker
+    engine answers within ~2 s and has the Kafka image (pulling it needs a registry)."""
     if not _docker_socket_connects():
-        return False
+        return "no Docker engine answers"
     try:
         import docker
+        from docker.errors import DockerException, ImageNotFound
 
         client = docker.from_env(timeout=2)
         try:
-            return bool(client.ping())
+            client.ping()
+            client.images.get(TEST_KAFKA_IMAGE)
+            return None
+        except ImageNotFound:
+            return f"the Docker engine has no image {TEST_KAFKA_IMAGE} (GENPIPE_TEST_KAFKA_IMAGE)"
         finally:
             client.close()
-    except Exception:
-        return False
+    except (DockerException, OSError) as exc:
+        return f"Docker did not answer: {exc}"
 
 
 @pytest.fixture(scope="session")
@@ -77,12 +87,24 @@ def kafka_bootstrap():
     if env:
         yield env
         return
-    if _docker_answers():
+    choice = os.environ.get("GENPIPE_TEST_KAFKA", "auto")
+    if choice not in ("auto", "docker", "local"):
+        pytest.fail(f"GENPIPE_TEST_KAFKA={choice!r}: expected auto, docker or local", pytrace=False)
+    why_not = _docker_kafka_image() if choice != "local" else "GENPIPE_TEST_KAFKA=local"
+    if why_not is None:
+        # Read by testcontainers at import: reach the container through its port mapped on
+        # loopback (never a bridge address), and no Ryuk reaper (its image needs a pull).
+        os.environ.setdefault("TC_HOST", "127.0.0.1")
+        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
         from testcontainers.community.kafka import KafkaContainer
 
         with KafkaContainer(TEST_KAFKA_IMAGE).with_kraft() as container:
             yield container.get_bootstrap_server()
         return
+    if choice == "docker":
+        pytest.fail(f"GENPIPE_TEST_KAFKA=docker, but {why_not}", pytrace=False)
+    if why_not != "no Docker engine answers" and choice == "auto":
+        print(f"\nKafka for the tests: the local broker, because {why_not}", file=sys.stderr)
 
     from workers.broker.local import BrokerError, broker_down, broker_up
 

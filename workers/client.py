@@ -1,43 +1,16 @@
-"""The genpipe client library: send requests, read OpenAI-shaped results back.
+"""The genpipe client library: send requests, read OpenAI-shaped results back (the
+README's "From Python" shows it in use).
 
-    import asyncio
-    from workers.client import GenpipeClient, Restart, make_request, render_chat
+Results arrive at least once (docs/design.md §6): the same (attempt, seq) may come twice,
+and a crashed generate worker's request runs again under a new attempt. The client hides
+both. Duplicates and records of superseded attempts are dropped; when a new attempt
+starts after an older one was delivered, `records()` marks its first record
+`restart=True`, `stream()` yields a `Restart` first (discard what was shown), and
+`complete()` returns only the winning attempt's result.
 
-    async def main():
-        ids = render_chat(TOKENIZER_DIR, [{"role": "user", "content": "Hello!"}])
-        async with GenpipeClient("127.0.0.1:9092") as client:
-            async for item in client.stream(make_request(ids, kind="chat", stream=True)):
-                if isinstance(item, Restart):
-                    print("\\n[restarted]")           # discard what was shown so far
-                else:
-                    print(item.choices[0].delta.content or "", end="", flush=True)
-            final = await client.complete(make_request(ids, kind="chat", max_tokens=32))
-            print(final.choices[0].message.content)
-
-    asyncio.run(main())
-
-How results come back (docs/design.md §2, §5.5, §6). A derender worker publishes a request's
-results on the shared results topic (or on the request's `reply_topic`) keyed by
-request id, with headers `genpipe-attempt`, `genpipe-seq`, `genpipe-final: 1` on the
-last record and `genpipe-restart: 1` on the first record of a new attempt. Delivery is
-at least once, so the client may receive the same (attempt, seq) twice, and a crashed
-generate worker's request is re-run from scratch under a new attempt.
-
-The client hides both:
-
-- duplicates: a record whose (attempt, seq) is not newer than the last one accepted for
-  that attempt is dropped, and so is every record of an attempt that was superseded;
-- restarts: when a new attempt starts after records of an older one were delivered,
-  `records()` marks its first record `restart=True`, `stream()` yields a `Restart`
-  sentinel before it (a streaming consumer must discard what it showed or accumulated
-  for the request and start over), and `complete()` returns only the winning attempt's
-  result. A new attempt's first record (seq 0) counts as a restart even when the header
-  is missing; a record of an unknown attempt that is not its first is dropped.
-
-One client holds one producer and one follower consumer of its reply topic (every
-partition, no consumer group, positioned when the client starts, so nothing a request
-produces can be missed), and dispatches records to the waiting requests by key. Any
-number of requests may be in flight at once on one client.
+One client holds one producer and one follower of its reply topic (every partition, no
+group, positioned before any request is sent, so nothing is missed) and dispatches
+records to the waiting requests by key; any number of requests may be in flight.
 """
 
 from __future__ import annotations

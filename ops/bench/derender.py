@@ -47,7 +47,7 @@ from workers.derender import shaping  # noqa: E402
 from workers.derender.state import DEFAULT_MODEL_NAME, Derenderer, Result  # noqa: E402
 from workers.derender.vocab import REPLACEMENT, VocabTables, load_tokenizer  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[2] / "workers" / "generate" / "corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "workers" / "models" / "corpus"
 
 
 # --- workloads -------------------------------------------------------------------------

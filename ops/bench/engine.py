@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from schemas.records import GenerateRequest, SamplingParams  # noqa: E402
 from workers.generate.engine import Engine  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[2] / "workers" / "generate" / "corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "workers" / "models" / "corpus"
 
 
 def make_prompts(model_dir: Path, n: int, rng: random.Random, vocab: int) -> list[list[int]]:

@@ -24,7 +24,7 @@ Rules, in the order they are applied to a chunk:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Union
 
 import msgspec
@@ -81,10 +81,36 @@ class BadChunk(Exception):
     """A chunk breaks the rules in a way only found while rendering it."""
 
 
-class _Request:
-    __slots__ = ("attempt", "superseded", "next_seq", "restart", "chat", "stream", "k", "opts",
-                 "reply_topic", "created", "model", "prompt_tokens", "generated", "detok", "stop",
-                 "hist", "offset", "first", "has_lp", "parts", "chat_lp", "comp_lp", "request_offset")
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """One request being derendered: what its seq-0 chunk said, and where its text and
+    logprobs have got to. The steps of `Derenderer._render` (text, logprobs, shaping)
+    each read and advance their part of it, as vLLM's RequestState composes its
+    detokenizer and logprobs processor."""
+
+    attempt: str
+    superseded: set[str]  # attempts a later one replaced: their chunks are dropped
+    restart: bool  # the next result carries genpipe-restart
+    opts: OutputOptions
+    reply_topic: str | None
+    request_offset: int | None  # of the request record (a re-used id has another)
+    created: int
+    model: str
+    prompt_tokens: int
+    detok: Detokenizer
+    stop: StopMatcher | None
+    chat: bool
+    stream: bool
+    k: int  # user-facing top_logprobs
+    next_seq: int = 0
+    generated: int = 0  # output ids so far (usage)
+    hist: list[int] = field(default_factory=list)  # recent sampled ids: the correction context
+    offset: int = 0  # completion logprobs: text_offset so far
+    first: bool = True  # nothing published yet (a chat stream's role goes on the first)
+    has_lp: bool = False  # logprobs were asked for (seen on a chunk)
+    parts: list[str] = field(default_factory=list)  # not streamed: the text so far
+    chat_lp: list = field(default_factory=list)  # not streamed, chat: the logprob entries so far
+    comp_lp: CompletionLogProbs = field(default_factory=CompletionLogProbs)  # not streamed, completion
 
 
 class Derenderer:
@@ -106,7 +132,7 @@ class Derenderer:
         # -1 (or any negative) means "the whole vocabulary", as for generate's setting.
         self.max_logprobs = max_logprobs if max_logprobs >= 0 else tables.size
         self.finished_memory = finished_memory
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, RequestState] = {}
         # request id -> its request record's offset; insertion-ordered: oldest evicted first
         self._finished: dict[str, int | None] = {}
         self.stats = Stats()
@@ -199,127 +225,127 @@ class Derenderer:
         except BadChunk as exc:
             return self._fail(rid, req, chunk, str(exc))
 
-    def _start(self, chunk: GenerateChunk, *, restart: bool, superseded: set) -> _Request:
+    def _start(self, chunk: GenerateChunk, *, restart: bool, superseded: set) -> RequestState:
         opts = chunk.output or OutputOptions()
         tail = chunk.prompt_tail_ids or ()
         if any(not 0 <= t < self.tables.size for t in tail):
             tail = ()  # reported by check_chunk; do not crash seeding on it
-        req = _Request()
-        req.attempt, req.superseded, req.next_seq, req.restart = chunk.attempt, superseded, 0, restart
-        req.opts, req.chat, req.stream = opts, opts.kind == "chat", opts.stream
-        req.k = max(0, opts.top_logprobs)
-        req.reply_topic = chunk.reply_topic
-        req.request_offset = chunk.request_offset
-        req.created = opts.created if opts.created is not None else (chunk.sampled_at_ns or 0) // 10**9
-        req.model = opts.model or self.model_name
-        req.prompt_tokens = chunk.prompt_token_count or 0
-        req.generated = 0
-        req.detok = Detokenizer(self.tables, skip_special_tokens=opts.skip_special_tokens, prompt_tail=tail)
         stops = [s for s in opts.stop if s]
-        req.stop = StopMatcher(stops, opts.include_stop_str_in_output) if stops else None
-        req.hist, req.offset, req.first, req.has_lp = [], 0, True, False
-        req.parts, req.chat_lp, req.comp_lp = [], [], CompletionLogProbs()
+        req = RequestState(
+            attempt=chunk.attempt, superseded=superseded, restart=restart, opts=opts,
+            reply_topic=chunk.reply_topic, request_offset=chunk.request_offset,
+            created=opts.created if opts.created is not None else (chunk.sampled_at_ns or 0) // 10**9,
+            model=opts.model or self.model_name, prompt_tokens=chunk.prompt_token_count or 0,
+            detok=Detokenizer(self.tables, skip_special_tokens=opts.skip_special_tokens, prompt_tail=tail),
+            stop=StopMatcher(stops, opts.include_stop_str_in_output) if stops else None,
+            chat=opts.kind == "chat", stream=opts.stream, k=max(0, opts.top_logprobs))
         self._active[chunk.request_id] = req
         return req
 
-    def _render(self, req: _Request, rid: str, chunk: GenerateChunk) -> list[Output]:
+    def _render(self, req: RequestState, rid: str, chunk: GenerateChunk) -> list[Output]:
+        """A chunk of a running request: its text, its logprobs, then the result(s)."""
+        text, n_keep, matched = self._text(req, chunk)
+        final = chunk.finish_reason is not None or matched
+        finish_reason = "stop" if matched else chunk.finish_reason
+        if matched:
+            self.stats.stop_matches += 1
+        logprobs = self._logprobs(req, chunk, n_keep)
+        out = self._shape(req, rid, chunk, text, logprobs, finish_reason if final else None)
+        if matched and chunk.finish_reason is None:
+            out.append(CancelRequest(rid, "stop string matched"))
+        return out
+
+    def _text(self, req: RequestState, chunk: GenerateChunk) -> tuple[str, int, bool]:
+        """(new text, how many of the chunk's ids it keeps, whether a stop string matched).
+        A stop *token* (eos or stop_token_ids) is not part of the text unless
+        include_stop_str_in_output (vLLM's rule); its logprobs are still reported."""
         ids = chunk.token_ids
         fr = chunk.finish_reason
-        opts = req.opts
-        # Text. A stop *token* (eos or stop_token_ids) is not part of the text unless
-        # include_stop_str_in_output (vLLM's rule); its logprobs are still reported.
         text_ids = ids
         if (fr == "stop" and chunk.stop_token_id is not None and ids and ids[-1] == chunk.stop_token_id
-                and not opts.include_stop_str_in_output):
+                and not req.opts.include_stop_str_in_output):
             text_ids = ids[:-1]
         detok, stop = req.detok, req.stop
-        matched = False
-        n_keep = len(ids)
         if stop is None:
             text = detok.feed(text_ids)
             if fr is not None:
                 text += detok.flush()
-        else:
-            pieces = []
-            for i, tid in enumerate(text_ids):
-                piece, matched = stop.feed(detok.step(tid))
-                pieces.append(piece)
-                if matched:
-                    n_keep = i + 1
-                    break
-            if not matched and fr is not None:
-                piece, matched = stop.feed(detok.flush())
-                pieces.append(piece)
-                if not matched:
-                    pieces.append(stop.flush())
-            text = "".join(pieces)
-        final = fr is not None or matched
-        if matched:
-            fr = "stop"
-            self.stats.stop_matches += 1
-        # Logprobs of the kept positions.
+            return text, len(ids), False
+        pieces = []
+        for i, tid in enumerate(text_ids):
+            piece, matched = stop.feed(detok.step(tid))
+            pieces.append(piece)
+            if matched:
+                return "".join(pieces), i + 1, True
+        matched = False
+        if fr is not None:
+            piece, matched = stop.feed(detok.flush())
+            pieces.append(piece)
+            if not matched:
+                pieces.append(stop.flush())
+        return "".join(pieces), len(ids), matched
+
+    def _logprobs(self, req: RequestState, chunk: GenerateChunk, n_keep: int):
+        """The kept positions' logprobs in the request's OpenAI shape: chat entries (or
+        None), or completion logprobs (or None; the request's running object when not
+        streamed). Advances the correction context and the token count either way."""
+        ids = chunk.token_ids
         kept = ids if n_keep == len(ids) else ids[:n_keep]
-        lp = chunk.logprobs
-        content = lp.content if lp is not None else None
+        content = chunk.logprobs.content if chunk.logprobs is not None else None
         if content is not None:
             req.has_lp = True
             if n_keep != len(content):
                 content = content[:n_keep]
         hist = req.hist
         req.generated += n_keep
-        if req.chat:
-            if content is not None:
-                try:
-                    lp_entries = shaping.chat_logprobs(kept, content, req.k, self.corrector, hist)
-                except IndexError:  # a candidate id past the vocabulary (checked here, once)
-                    bad = next(e.token_id for pos in content for e in pos.top_logprobs
-                               if not 0 <= e.token_id < self.tables.size)
-                    raise BadChunk(f"top_logprobs id {bad} out of vocabulary (size {self.tables.size})") from None
-            else:
-                hist.extend(kept)
-                lp_entries = None
+        result = None
+        if req.chat and content is not None:
+            try:
+                result = shaping.chat_logprobs(kept, content, req.k, self.corrector, hist)
+            except IndexError:  # a candidate id past the vocabulary (checked here, once)
+                bad = next(e.token_id for pos in content for e in pos.top_logprobs
+                           if not 0 <= e.token_id < self.tables.size)
+                raise BadChunk(f"top_logprobs id {bad} out of vocabulary (size {self.tables.size})") from None
+        elif not req.chat and (content is not None or req.has_lp):
+            result = req.comp_lp if not req.stream else CompletionLogProbs()
+            req.offset = shaping.completion_logprobs(kept, content, req.k, self.corrector, hist, result, req.offset)
         else:
-            comp_lp = None
-            if content is not None or req.has_lp:
-                comp_lp = req.comp_lp if not req.stream else CompletionLogProbs()
-                req.offset = shaping.completion_logprobs(kept, content, req.k, self.corrector, hist,
-                                                         comp_lp, req.offset)
-            else:
-                hist.extend(kept)
+            hist.extend(kept)
         if len(hist) > 64:
             del hist[:-shaping.CTX]
+        return result
 
-        out: list[Output] = []
+    def _shape(self, req: RequestState, rid: str, chunk: GenerateChunk, text: str, logprobs,
+               finish_reason: str | None) -> list[Output]:
+        """The OpenAI result(s) for this chunk: one per chunk when streaming, else one at
+        the end (`finish_reason` set: the request is over)."""
+        final = finish_reason is not None
         if req.stream:
-            usage = shaping.usage(req.prompt_tokens, req.generated) if final and opts.include_usage else None
+            usage = shaping.usage(req.prompt_tokens, req.generated) if final and req.opts.include_usage else None
             if req.chat:
-                value = shaping.chat_chunk(rid, req.created, req.model, text, req.first, lp_entries,
-                                           fr if final else None, usage)
+                value = shaping.chat_chunk(rid, req.created, req.model, text, req.first, logprobs,
+                                           finish_reason, usage)
             else:
-                value = shaping.completion(rid, req.created, req.model, text, comp_lp,
-                                           fr if final else None, usage)
+                value = shaping.completion(rid, req.created, req.model, text, logprobs, finish_reason, usage)
             req.first = False
-            out.append(self._finish(req, rid, chunk, value) if final else self._result(req, rid, chunk, value, False))
+            return [self._finish(req, rid, chunk, value) if final else self._result(req, rid, chunk, value, False)]
+        req.parts.append(text)
+        if req.chat and logprobs:
+            req.chat_lp.extend(logprobs)
+        if not final:
+            return []
+        usage = shaping.usage(req.prompt_tokens, req.generated)
+        full = "".join(req.parts)
+        if req.chat:
+            value = shaping.chat_final(rid, req.created, req.model, full, req.chat_lp if req.has_lp else None,
+                                       finish_reason, usage)
         else:
-            req.parts.append(text)
-            if req.chat and lp_entries:
-                req.chat_lp.extend(lp_entries)
-            if final:
-                usage = shaping.usage(req.prompt_tokens, req.generated)
-                full = "".join(req.parts)
-                if req.chat:
-                    value = shaping.chat_final(rid, req.created, req.model, full,
-                                               req.chat_lp if req.has_lp else None, fr, usage)
-                else:
-                    value = shaping.completion(rid, req.created, req.model, full,
-                                               req.comp_lp if req.has_lp else None, fr, usage)
-                out.append(self._finish(req, rid, chunk, value))
-        if matched and chunk.finish_reason is None:
-            out.append(CancelRequest(rid, "stop string matched"))
-        return out
+            value = shaping.completion(rid, req.created, req.model, full, req.comp_lp if req.has_lp else None,
+                                       finish_reason, usage)
+        return [self._finish(req, rid, chunk, value)]
 
     # --- records and bookkeeping -----------------------------------------------------
-    def _result(self, req: _Request, rid: str, chunk: GenerateChunk, value, final: bool) -> Result:
+    def _result(self, req: RequestState, rid: str, chunk: GenerateChunk, value, final: bool) -> Result:
         headers = {HEADER_ATTEMPT: chunk.attempt, HEADER_SEQ: str(chunk.seq)}
         if req is not None and req.restart:
             headers[HEADER_RESTART] = "1"
@@ -330,7 +356,7 @@ class Derenderer:
         topic = req.reply_topic if req is not None else chunk.reply_topic
         return Result(rid, topic, value, headers, final)
 
-    def _finish(self, req: _Request | None, rid: str, chunk: GenerateChunk, value) -> Result:
+    def _finish(self, req: RequestState | None, rid: str, chunk: GenerateChunk, value) -> Result:
         result = self._result(req, rid, chunk, value, True)
         self._mark_finished(rid, req.request_offset if req is not None else chunk.request_offset)
         return result
@@ -356,7 +382,7 @@ class Derenderer:
         if len(finished) > self.finished_memory:
             del finished[next(iter(finished))]
 
-    def _fail(self, rid: str, req: _Request | None, chunk: GenerateChunk, message: str) -> list[Output]:
+    def _fail(self, rid: str, req: RequestState | None, chunk: GenerateChunk, message: str) -> list[Output]:
         self.stats.rule_errors += 1
         value = shaping.error_response(f"derender: bad chunk for request {rid!r}: {message}")
         out: list[Output] = [self._finish(req, rid, chunk, value)]

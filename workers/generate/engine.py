@@ -9,17 +9,6 @@ No Kafka, no asyncio. The worker drives it from one dedicated thread:
         for out in engine.step():        # RequestOutput: 0 or 1 new token per request
             ...
 
-API (plain data; `RequestOutput` below):
-
-    Engine(model_dir, device="cpu", dtype="float32", max_batch=32, max_model_len=None,
-           prefill_chunk=512, max_logprobs=20, *, model=None, force_fallback=False)
-    .add(request: GenerateRequest) -> None      raises schemas.errors.ValidationError
-    .abort(request_id: str, reason="abort") -> None
-    .has_work() -> bool
-    .step() -> list[RequestOutput]              only from one thread at a time
-    .num_running() / .num_waiting() -> int; .info (vocab_size, max_model_len, eos ids);
-    .native (our batched forward) or False (HF fallback, batch 1 per request)
-
 Every accepted request gets exactly one output with a finish_reason (its last); the
 first output of a request carries prompt_logprobs when asked. Stop rules (vLLM's order):
 "length" when max_tokens is reached or the context is full; then, once min_tokens ids

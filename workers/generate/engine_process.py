@@ -7,8 +7,8 @@ from another process cost it nothing (BENCHMARKS.md, engine (c)). So by default 
 worker runs the engine and its stepping thread (`EngineThread`) in a child process,
 like vLLM v1's engine core, and talks to it through a pipe:
 
-    parent → child   ("add", GenerateRequest) | ("abort", request_id, reason) | ("stop",)
-    child → parent   ("ready", limits) | ("step", outputs, step_seconds) | ("failed", text)
+    parent → child   Add(request) | Abort(request_id, reason) | Stop()
+    child → parent   Ready(limits) | Step(outputs, step_s) | Failed(error)
 
 `EngineProcess` has EngineThread's interface (add/abort/stop/failure), so the worker
 does not know which one it drives. Requests are validated in the parent against the
@@ -26,11 +26,42 @@ import signal
 import threading
 from typing import Any
 
+import msgspec
+
 from schemas.errors import ValidationError
+from schemas.records import GenerateRequest
 from schemas.validation import validate_request
 from workers.generate.engine_thread import Deliver, EngineThread
 
 log = logging.getLogger(__name__)
+
+
+# --- the messages on the pipe (pickled; tagged, so each says what it is) ---------------
+
+class Add(msgspec.Struct, tag=True):
+    request: GenerateRequest
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+    reason: str
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    limits: dict[str, int]  # validate_request's keyword arguments: the parent checks requests
+
+
+class Step(msgspec.Struct, tag=True):
+    outputs: list  # the engine's RequestOutputs of one step
+    step_s: float
+
+
+class Failed(msgspec.Struct, tag=True):
+    error: str
 
 
 class EngineProcess:
@@ -62,31 +93,31 @@ class EngineProcess:
             self._process.kill()
             raise RuntimeError(f"the engine process did not load its model within {self.start_timeout_s:.0f} s")
         try:
-            kind, payload = self._conn.recv()
+            message = self._conn.recv()
         except EOFError:
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})") from None
-        if kind != "ready":
+        if not isinstance(message, Ready):
             self._process.join(5)
-            raise RuntimeError(f"the engine process failed to start: {payload}")
-        self.limits = payload
+            raise RuntimeError(f"the engine process failed to start: {getattr(message, 'error', message)}")
+        self.limits = message.limits
         self._reader = threading.Thread(target=self._read, name="genpipe-engine-reader", daemon=True)
         self._reader.start()
 
     def add(self, request) -> None:
         """Validate here (raises schemas ValidationError) and queue it in the child."""
         validate_request(request, **self.limits)
-        self._send(("add", request))
+        self._send(Add(request))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._send(("abort", request_id, reason))
+        self._send(Abort(request_id, reason))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         if self._process is None:
             return
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except RuntimeError:
             pass  # already gone
         self._process.join(timeout)
@@ -96,7 +127,7 @@ class EngineProcess:
             self._process.join(5)
         self._conn.close()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Add | Abort | Stop) -> None:
         try:
             with self._send_lock:  # the loop and stop() may both send
                 self._conn.send(message)
@@ -113,10 +144,10 @@ class EngineProcess:
                     self._process.join(5)  # reap it, so the exit code is known (EOF can come first)
                     self._fail(RuntimeError(f"the engine process exited (exit code {self._process.exitcode})"))
                 return
-            if message[0] == "step":
-                self._deliver(message[1], message[2])
-            elif message[0] == "failed":
-                self._fail(RuntimeError(f"engine failed: {message[1]}"))
+            if isinstance(message, Step):
+                self._deliver(message.outputs, message.step_s)
+            elif isinstance(message, Failed):
+                self._fail(RuntimeError(f"engine failed: {message.error}"))
                 return
 
     def _fail(self, exc: BaseException) -> None:
@@ -141,29 +172,29 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     try:
         engine = Engine(**engine_options)
     except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {"max_logprobs": engine.max_logprobs, "vocab_size": engine.vocab_size,
-                         "max_model_len": engine.max_model_len}))
+    conn.send(Ready({"max_logprobs": engine.max_logprobs, "vocab_size": engine.vocab_size,
+                     "max_model_len": engine.max_model_len}))
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
-            conn.send(("failed", f"{type(thread.failure).__name__}: {thread.failure}"))
+            conn.send(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
         elif outputs:
-            conn.send(("step", outputs, step_s))
+            conn.send(Step(outputs, step_s))
 
     thread = EngineThread(engine, deliver, min_step_s=min_step_s)
     thread.start()
     try:
         while thread.failure is None:
             message = conn.recv()
-            if message[0] == "add":
+            if isinstance(message, Add):
                 try:
-                    thread.add(message[1])
+                    thread.add(message.request)
                 except ValidationError as exc:  # validated by the parent already: a duplicate id
-                    log.warning("engine refused %s: %s", message[1].request_id, exc)
-            elif message[0] == "abort":
-                thread.abort(message[1], message[2])
+                    log.warning("engine refused %s: %s", message.request.request_id, exc)
+            elif isinstance(message, Abort):
+                thread.abort(message.request_id, message.reason)
             else:
                 break
     except (EOFError, OSError):

@@ -62,32 +62,41 @@ def load_engine(config: GenerateWorkerConfig):
     return Engine(**engine_options(config))
 
 
+class EngineOutputs:
+    """Carries engine steps from the engine's thread to the handler on the event loop.
+    The engine is built first (it needs the callback), the handler later (it needs the
+    engine): this is the one link between them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.engine = None
+        self.handler: GenerateHandler | None = None
+
+    def deliver(self, outputs: list, step_s: float) -> None:  # on the engine (reader) thread
+        if step_s:
+            series(STEP_TIME, W).observe(step_s)
+            series(BATCH_SIZE, W).observe(len(outputs))
+        if outputs or self.engine.failure is not None:
+            self.loop.call_soon_threadsafe(self._on_loop, outputs)
+
+    def _on_loop(self, outputs: list) -> None:
+        if self.handler is not None:  # (a failure can come before the first request)
+            self.handler.on_outputs(outputs)
+
+
 async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
                               stop: asyncio.Event | None = None,
                               on_ready: Callable[[], None] | None = None) -> int:
     """Serve until stopped. `engine`: an Engine already built (it then steps in a thread
     of this process); otherwise one is loaded from `config`, in a child process unless
     config.engine_in is "thread"."""
-    loop = asyncio.get_running_loop()
-    holder: dict = {}
     rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)  # a bad pattern fails before the model loads
-
-    def deliver(outputs: list, step_s: float) -> None:  # on the engine (reader) thread
-        if step_s:
-            series(STEP_TIME, W).observe(step_s)
-            series(BATCH_SIZE, W).observe(len(outputs))
-        if outputs or holder["engine"].failure is not None:
-            loop.call_soon_threadsafe(on_outputs, outputs)
-
-    def on_outputs(outputs: list) -> None:  # on the loop
-        if "handler" in holder:  # (a failure can come before the first request)
-            holder["handler"].on_outputs(outputs)
-
+    outputs = EngineOutputs(asyncio.get_running_loop())
     if engine is None and config.engine_in == "process":
-        holder["engine"] = EngineProcess(engine_options(config), deliver, min_step_s=config.min_step_s,
-                                         threads=config.threads)
+        outputs.engine = EngineProcess(engine_options(config), outputs.deliver, min_step_s=config.min_step_s,
+                                       threads=config.threads)
         try:
-            await asyncio.to_thread(holder["engine"].start)  # loads the model; the loop stays free
+            await asyncio.to_thread(outputs.engine.start)  # loads the model; the loop stays free
         except RuntimeError as exc:
             raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: {one_line(exc)}") from exc
     else:
@@ -97,14 +106,14 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
             except Exception as exc:
                 raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: "
                                    f"{type(exc).__name__}: {one_line(exc)}") from exc
-        holder["engine"] = EngineThread(engine, deliver, min_step_s=config.min_step_s)
-        holder["engine"].start()  # idle until the first request arrives
+        outputs.engine = EngineThread(engine, outputs.deliver, min_step_s=config.min_step_s)
+        outputs.engine.start()  # idle until the first request arrives
 
     def make_handler(publisher, offsets):
-        holder["handler"] = GenerateHandler(settings, publisher, offsets, holder["engine"],
-                                            max_running=config.max_batch * 2, policy=config.policy,
-                                            reply_rule=rule)
-        return holder["handler"]
+        outputs.handler = GenerateHandler(settings, publisher, offsets, outputs.engine,
+                                          max_running=config.max_batch * 2, policy=config.policy,
+                                          reply_rule=rule)
+        return outputs.handler
 
     def on_cancel(message) -> None:
         try:
@@ -112,7 +121,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
         except RecordError as exc:  # every worker reads this topic: log, don't DLQ n copies
             log.warning("unreadable cancel at %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc)
             return
-        holder["handler"].cancel(cancel.request_id)
+        outputs.handler.cancel(cancel.request_id)
 
     def background(stop_event):
         since = int((time.time() - config.cancel_lookback_s) * 1000)
@@ -126,4 +135,4 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                            max_record_bytes=config.max_record_bytes,
                            uses=[settings.topic("chunks"), settings.topic("cancel")])
     finally:
-        holder["engine"].stop()
+        outputs.engine.stop()
