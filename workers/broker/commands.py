@@ -35,6 +35,11 @@ def register(subparsers) -> None:
                        help="broker directory: config, pid file, log and KRaft data "
                             "(default ${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/broker-PORT, "
                             "or broker-PORT-secure with --secure)")
+        p.add_argument("--brokers", type=int, default=1, metavar="N",
+                       help="N > 1: a cluster of N combined broker+controller nodes on PORT, PORT+2, ... "
+                            "(controllers on the odd ports), data in ${GENPIPE_CACHE_DIR}/cluster-PORT; "
+                            "internal topics and `topics create` get min(3, N) replicas "
+                            "(min.insync.replicas=2 from 3)")
         p.add_argument("--secure", action="store_true",
                        help="a broker with TLS (SASL_SSL on PORT, certificates made locally), SASL/SCRAM "
                             "users (admin, generate, derender, client, stranger) and ACLs enforced; "
@@ -63,8 +68,9 @@ def register(subparsers) -> None:
             "count, so a request's records stay on one partition number end to end."))
     create.add_argument("--partitions", type=int, default=8,
                         help="partitions per topic (default %(default)s)")
-    create.add_argument("--replication-factor", type=int, default=1,
-                        help="replicas per partition (default %(default)s; 1 for one broker)")
+    create.add_argument("--replication-factor", type=int, default=None,
+                        help="replicas per partition (default: 3, or the number of brokers when fewer; "
+                             "with 3 replicas the topics get min.insync.replicas=2)")
     create.add_argument("--timeout", type=float, default=30,
                         help="seconds to wait for the broker to answer and the topics to have leaders "
                              "(default %(default)s)")
@@ -83,6 +89,8 @@ def _fail(message: str) -> int:
 def _broker_up(args: argparse.Namespace) -> int:
     from workers.broker.local import BrokerError, broker_up
 
+    if args.brokers > 1:
+        return _cluster_action(args, "up")
     try:
         info = broker_up(port=args.port, controller_port=args.controller_port,
                          data_dir=args.data_dir, timeout=args.timeout, secure=args.secure)
@@ -128,8 +136,33 @@ def _secure_up(args: argparse.Namespace, info) -> int:
 def _broker_down(args: argparse.Namespace) -> int:
     from workers.broker.local import BrokerError, broker_down
 
+    if args.brokers > 1:
+        return _cluster_action(args, "down")
     try:
         print(broker_down(port=args.port, data_dir=args.data_dir, secure=args.secure))
+    except BrokerError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _cluster_action(args: argparse.Namespace, action: str) -> int:
+    from workers.broker.cluster import cluster_down, cluster_nodes, cluster_up
+    from workers.broker.local import BrokerError, answers
+
+    if args.secure:
+        return _fail("--secure and --brokers are not combined (yet): use one of them")
+    try:
+        if action == "up":
+            cluster = cluster_up(args.brokers, args.port, args.data_dir, timeout=args.timeout)
+            print(f"cluster up: {args.brokers} brokers, bootstrap {cluster.bootstrap_servers} "
+                  f"(pids {[n.pid() for n in cluster.nodes]}, data {cluster.nodes[0].data_dir.parent})")
+        elif action == "down":
+            print(cluster_down(args.brokers, args.port, args.data_dir))
+        else:
+            cluster = cluster_nodes(args.brokers, args.port, args.data_dir)
+            up = [n.node_id for n in cluster.nodes if answers(n.port)]
+            print(f"cluster on {cluster.bootstrap_servers}: nodes answering {up} of {args.brokers}")
+            return 0 if up else 1
     except BrokerError as exc:
         return _fail(str(exc))
     return 0
@@ -138,6 +171,9 @@ def _broker_down(args: argparse.Namespace) -> int:
 def _broker_status(args: argparse.Namespace) -> int:
     """Exit 0 when a broker answers (ours or not), 1 otherwise, so scripts can test it."""
     from workers.broker.local import HOST, broker_status
+
+    if args.brokers > 1:
+        return _cluster_action(args, "status")
 
     st = broker_status(port=args.port, data_dir=args.data_dir, secure=args.secure)
     where = f"{HOST}:{st.port}"

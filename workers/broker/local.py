@@ -262,14 +262,14 @@ def _java_cmd(libs: Path, main: str, *args: str, log_level: str = "ERROR") -> li
             "-cp", f"{libs}/*", main, *args]
 
 
-def _format_storage(libs: Path, data_dir: Path, extra: list[str] = ()) -> None:
+def _format_storage(libs: Path, data_dir: Path, extra: list[str] = (), cluster_id: str | None = None) -> None:
     """Format the KRaft log dir on first start (meta.properties absent)."""
     if (data_dir / "kraft" / "meta.properties").exists():
         return
     props = data_dir / "server.properties"
     # Log level ERROR: at INFO the format step dumps the whole KafkaConfig.
     cmd = _java_cmd(libs, "kafka.tools.StorageTool", "format",
-                    "-t", _cluster_id(), "-c", str(props), "--ignore-formatted", *extra)
+                    "-t", cluster_id or _cluster_id(), "-c", str(props), "--ignore-formatted", *extra)
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BrokerError(f"formatting Kafka storage in {data_dir / 'kraft'} failed:\n"
@@ -315,6 +315,19 @@ def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
     (data_dir / "server.properties").write_text(properties)
     _format_storage(libs, data_dir, sec.format_arguments(files) if secure else [])
 
+    proc = launch(libs, data_dir)
+    try:
+        _wait_ready(port, proc.pid, data_dir, timeout, probe)
+    except BrokerError:
+        _stop_pid(proc.pid, grace=10)
+        (data_dir / "broker.pid").unlink(missing_ok=True)
+        raise
+    return BrokerInfo(bootstrap, port, controller_port, data_dir, proc.pid, False, log_file, files)
+
+
+def launch(libs: Path, data_dir: Path) -> subprocess.Popen:
+    """Start `kafka.Kafka data_dir/server.properties` detached; record its pid."""
+    log_file = data_dir / "broker.log"
     if log_file.exists():  # keep the previous run's log for post-mortems
         log_file.replace(log_file.with_suffix(".log.1"))
     with open(log_file, "wb") as log:
@@ -326,13 +339,7 @@ def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
             start_new_session=True)
     _CHILDREN[proc.pid] = proc
     (data_dir / "broker.pid").write_text(f"{proc.pid}\n")
-    try:
-        _wait_ready(port, proc.pid, data_dir, timeout, probe)
-    except BrokerError:
-        _stop_pid(proc.pid, grace=10)
-        (data_dir / "broker.pid").unlink(missing_ok=True)
-        raise
-    return BrokerInfo(bootstrap, port, controller_port, data_dir, proc.pid, False, log_file, files)
+    return proc
 
 
 def _wait_ready(port: int, pid: int, data_dir: Path, timeout: float, probe=None) -> None:

@@ -32,19 +32,21 @@ class TopicsReport:
 
 
 async def create_topics(settings: KafkaSettings, partitions: int = 8,
-                        replication_factor: int = 1, timeout: float = 30,
+                        replication_factor: int | None = None, timeout: float = 30,
                         extra: Sequence[str] = ()) -> TopicsReport:
     """Create the missing topics among ``settings.topic(role)`` for every role, and the
     `extra` ones (a tenant's reply topic, a replay target) with the same settings.
 
     Existing topics are left alone (their partition count is reported, not changed).
+    `replication_factor` None: min(3, brokers in the cluster); with 3 or more replicas the
+    topics get min.insync.replicas=2, so an acknowledged record survives a lost broker.
     Waits up to `timeout` for a broker to answer. Returns once every topic has a leader
     for every partition, so callers can produce immediately.
     """
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
 
-    if partitions < 1 or replication_factor < 1:
+    if partitions < 1 or (replication_factor is not None and replication_factor < 1):
         raise ValueError("partitions and replication_factor must be >= 1")
     names = [settings.topic(role) for role in TOPIC_ROLES]
     names += [name for name in extra if name not in names]
@@ -66,8 +68,10 @@ async def create_topics(settings: KafkaSettings, partitions: int = 8,
         missing = [n for n in names if n not in existing]
         report.existed = [n for n in names if n in existing]
         if missing:
+            replicas = replication_factor or min(3, len((await admin.describe_cluster())["brokers"]) or 1)
+            configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
             response = await admin.create_topics(
-                [NewTopic(n, partitions, replication_factor) for n in missing],
+                [NewTopic(n, partitions, replicas, topic_configs=configs) for n in missing],
                 timeout_ms=int(timeout * 1000))
             failures = []
             for topic, code, *rest in response.topic_errors:

@@ -1,0 +1,191 @@
+"""genpipe on a 3-broker cluster (`genpipe broker up --brokers 3`): brokers die and
+restart under load, and no request is lost, duplicated after the client, or stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+import pytest
+
+from tests.process_helpers import uninterrupted_texts
+from workers.broker.cluster import cluster_down, cluster_up, node_down, node_up
+from workers.broker.topics import create_topics
+from workers.client import GenpipeClient, Restart, make_request
+from workers.kafka.clients import make_admin
+from workers.kafka.settings import KafkaSettings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+PORT = int(os.environ.get("GENPIPE_TEST_CLUSTER_PORT", "19800"))  # PORT..PORT+5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from workers.broker.local import BrokerError
+
+    data_dir = tmp_path_factory.mktemp("cluster")
+    try:
+        cluster = cluster_up(3, PORT, data_dir, timeout=180, quiet=True)
+    except BrokerError as exc:
+        pytest.fail(f"the test cluster did not start: {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster_down(3, PORT, data_dir)
+
+
+async def _leaders(settings, topic: str) -> dict[int, int]:
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+        return {p["partition"]: p["leader"] for p in described[0]["partitions"]}
+    finally:
+        await admin.close()
+
+
+async def _controller(settings) -> int:
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        return (await admin.describe_cluster())["controller_id"]
+    finally:
+        await admin.close()
+
+
+async def _stream(client, request, gaps: list[float]) -> tuple[str, int]:
+    """The last attempt's text and the restarts seen; the longest wait between results."""
+    text, restarts, last = [], 0, time.monotonic()
+    async for item in client.stream(request):
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        if isinstance(item, Restart):
+            restarts, text = restarts + 1, []
+        else:
+            text.append(item.choices[0].text)
+    return "".join(text), restarts
+
+
+class Pipeline:
+    """A generate and a derender worker (in this process) on the cluster."""
+
+    def __init__(self, settings, model_dir):
+        from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+        from workers.generate.engine import Engine
+        from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+
+        prefix = settings.topic_prefix
+        self.stop = asyncio.Event()
+        self.ready = [asyncio.Event(), asyncio.Event()]
+        # Paced like a real model (20 tokens/s a request), so streams outlive a failover.
+        self.tasks = [
+            asyncio.ensure_future(run_generate_worker(
+                settings, GenerateWorkerConfig(group_id=f"{prefix}-generate", max_batch=8, min_step_s=0.05),
+                engine=Engine(str(model_dir), max_batch=8), stop=self.stop, on_ready=self.ready[0].set)),
+            asyncio.ensure_future(run_derender_worker(
+                settings, DerenderWorkerConfig(tokenizer=str(model_dir), group_id=f"{prefix}-derender"),
+                stop=self.stop, on_ready=self.ready[1].set))]
+
+    async def started(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.ready)), 120)
+
+    def alive(self) -> bool:
+        return not any(t.done() for t in self.tasks)
+
+    async def close(self) -> list:
+        self.stop.set()
+        return await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 120)
+
+
+def _requests(tag: str, n: int, max_tokens: int):
+    return [make_request([1, 100 + 7 * i, 200 + i], kind="completion", request_id=f"{tag}-{i}", max_tokens=max_tokens,
+                         temperature=0, ignore_eos=True, stream=True) for i in range(n)]
+
+
+async def test_killing_partition_leaders_and_the_controller_loses_no_request(cluster, tiny_model_dir):
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    await create_topics(settings, partitions=2)
+    pipeline = Pipeline(settings, tiny_model_dir)
+    requests = _requests("kill", 8, 300)  # ~15 s each at 20 tokens/s: both kills land mid-stream
+    gaps: list[float] = []
+    killed = []
+    try:
+        await pipeline.started()
+        async with GenpipeClient(settings=settings, timeout_s=180) as client:
+            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
+            await _wait(lambda: len(gaps) >= 8, 60, "first results")
+            # kill -9 the leader of the chunk partition 0 (it leads some result partitions too)
+            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            await asyncio.to_thread(node_down, cluster, victim, kill=True)
+            killed.append(victim)
+            # Results keep coming after the kill (how many depends on how tokens were
+            # chunked, which a lagging producer changes: count progress, not chunks).
+            seen = len(gaps)
+            await _wait(lambda: len(gaps) >= seen + 16, 120, "streams going on after the kill")
+            await asyncio.to_thread(node_up, cluster, victim)
+            # then the active controller
+            controller = await _controller(settings)
+            await asyncio.to_thread(node_down, cluster, controller, kill=True)
+            killed.append(controller)
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            await asyncio.to_thread(node_up, cluster, controller)
+        assert pipeline.alive(), "a worker stopped"
+    finally:
+        results = await pipeline.close()
+    assert results == [0, 0]
+    expected = uninterrupted_texts(tiny_model_dir, requests)
+    for request, (text, _) in zip(requests, done):
+        assert text == expected[request.request_id], request.request_id
+    print(f"\ncluster kill test: {len(requests)} requests, 0 lost, brokers killed {killed}; "
+          f"worst pause between two results of a request {max(gaps):.2f} s; "
+          f"restarts seen {sum(r for _, r in done)}")
+
+
+async def test_a_rolling_restart_of_every_broker_under_load_loses_no_request(cluster, tiny_model_dir):
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    await create_topics(settings, partitions=2)
+    pipeline = Pipeline(settings, tiny_model_dir)
+    gaps: list[float] = []
+    sent, done = [], []
+    try:
+        await pipeline.started()
+        async with GenpipeClient(settings=settings, timeout_s=180) as client:
+            async def load() -> None:  # a request every 0.5 s, each ~1 s long, until told to stop
+                i = 0
+                while not rolling_done.is_set():
+                    request = _requests(f"roll{i}", 1, 20)[0]
+                    sent.append(request)
+                    done.append(asyncio.ensure_future(_stream(client, request, gaps)))
+                    i += 1
+                    try:
+                        await asyncio.wait_for(rolling_done.wait(), 0.5)
+                    except asyncio.TimeoutError:
+                        pass
+
+            rolling_done = asyncio.Event()
+            loader = asyncio.ensure_future(load())
+            for node in cluster.nodes:  # SIGTERM (controlled shutdown), then start it again
+                await asyncio.to_thread(node_down, cluster, node.node_id)
+                await asyncio.to_thread(node_up, cluster, node.node_id)
+            rolling_done.set()
+            await loader
+            outcomes = await asyncio.wait_for(asyncio.gather(*done), 240)
+        assert pipeline.alive(), "a worker stopped"
+    finally:
+        results = await pipeline.close()
+    assert results == [0, 0]
+    expected = uninterrupted_texts(tiny_model_dir, sent)
+    assert [text for text, _ in outcomes] == [expected[r.request_id] for r in sent]
+    print(f"\ncluster rolling restart: {len(sent)} requests, 0 lost; worst pause between two results "
+          f"of a request {max(gaps):.2f} s")
+
+
+async def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
