@@ -83,6 +83,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
         engine_in=args.engine_in, threads=args.threads, max_record_bytes=args.max_record_bytes,
+        engine=args.engine, synthetic_step_s=args.step_ms / 1000,
         reply_topic_pattern=args.reply_topic_pattern,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
@@ -159,6 +160,13 @@ def register(sub) -> None:
                      help="where the model steps: 'process' (default) a child process, so steps never "
                           "wait on the GIL for the Kafka loop (more tokens/s, see BENCHMARKS.md); "
                           "'thread' a thread of the worker process (one process, less memory)")
+    gen.add_argument("--engine", choices=("model", "synthetic"), default="model",
+                     help="'model' (default) runs --model; 'synthetic' runs no model at all: every step "
+                          "takes --step-ms and gives each of up to --max-batch requests a deterministic "
+                          "token of the tiny model's vocabulary. A benchmarking tool for the Kafka side "
+                          "at GPU-like rates (like vLLM's dummy weights), never for answers")
+    gen.add_argument("--step-ms", type=at_least(0.0, float), default=2.0,
+                     help="with --engine synthetic: the time one step takes (default %(default)s ms)")
     gen.add_argument("--min-step-ms", type=at_least(0.0, float), default=0.0,
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "

@@ -156,13 +156,23 @@ class EngineProcess:
         self._deliver([], 0.0)
 
 
+def make_engine(options: dict[str, Any]):
+    """The engine `options` describe: `Engine(**options)`, or with a "synthetic" entry the
+    benchmarking `SyntheticEngine(**options["synthetic"])` (no model)."""
+    if "synthetic" in options:
+        from workers.generate.synthetic import SyntheticEngine
+
+        return SyntheticEngine(**options["synthetic"])
+    from workers.generate.engine import Engine
+
+    return Engine(**options)
+
+
 def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
     import torch
     from transformers.utils import logging as hf_logging
-
-    from workers.generate.engine import Engine
 
     if threads:
         torch.set_num_threads(threads)
@@ -170,7 +180,7 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     # the exit below would leave for the resource tracker to report as leaked.
     hf_logging.disable_progress_bar()
     try:
-        engine = Engine(**engine_options)
+        engine = make_engine(engine_options)
     except BaseException as exc:
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return

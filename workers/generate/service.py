@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from schemas import Cancel, RecordError
-from workers.generate.engine_process import EngineProcess
+from workers.generate.engine_process import EngineProcess, make_engine
 from workers.generate.engine_thread import EngineThread
 from workers.generate.chunks import W, ChunkPolicy
 from workers.generate.worker import GenerateHandler
@@ -44,12 +44,19 @@ class GenerateWorkerConfig:
     engine_in: str = "process"  # "process": a child process (see engine_process); "thread": this one
     threads: int = 0  # torch CPU threads of the engine (0: torch's default)
     max_record_bytes: int = MAX_RECORD_BYTES  # largest chunk record published (see publisher)
+    engine: str = "model"  # or "synthetic": no model, `synthetic_step_s` a step (benchmarks only)
+    synthetic_step_s: float = 0.002
     reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
 
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
-    """Engine(**options): the same engine whether it is built here or in the child."""
+    """make_engine(options): the same engine whether it is built here or in the child."""
     from workers.models.tinymodel import default_model_dir
+
+    if config.engine == "synthetic":  # the tiny model's vocabulary, so its tokenizer derenders it
+        return {"synthetic": dict(step_s=config.synthetic_step_s, max_batch=config.max_batch,
+                                  vocab_size=_vocab_size(config.model or str(default_model_dir("spm"))),
+                                  max_model_len=config.max_model_len or 2048, max_logprobs=config.max_logprobs)}
 
     return dict(model_dir=config.model or str(default_model_dir("spm")), device=config.device,
                 dtype=config.dtype, max_batch=config.max_batch, max_model_len=config.max_model_len,
@@ -57,9 +64,14 @@ def engine_options(config: GenerateWorkerConfig) -> dict:
 
 
 def load_engine(config: GenerateWorkerConfig):
-    from workers.generate.engine import Engine
+    return make_engine(engine_options(config))
 
-    return Engine(**engine_options(config))
+
+def _vocab_size(model_dir: str) -> int:
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
 class EngineOutputs:

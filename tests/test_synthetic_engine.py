@@ -1,0 +1,109 @@
+"""The synthetic engine (`--engine synthetic`): no model, deterministic tokens, the same
+interface and finish rules as the real engine, through the real worker and Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas import GenerateChunk, GenerateRequest, SamplingParams
+from schemas.errors import ValidationError
+from tests.kafka_helpers import chunks_finished, read_topic
+from workers.generate.synthetic import FIRST_ORDINARY_ID, SyntheticEngine, synthetic_token
+from workers.kafka.records import decode_message
+
+
+def req(rid: str, **sampling) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=[1, 5, 6], sampling=SamplingParams(**sampling))
+
+
+def run(engine: SyntheticEngine, requests, max_steps: int = 10_000) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    for r in requests:
+        engine.add(r)
+    steps = 0
+    while engine.has_work():
+        assert engine.num_running() <= engine.max_batch
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        steps += 1
+        assert steps < max_steps
+    return outputs
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def test_tokens_are_deterministic_ordinary_ids_and_requests_end_at_max_tokens():
+    engine = SyntheticEngine(step_s=0.0, max_batch=3, vocab_size=2000)
+    outs = run(engine, [req(f"r{i}", max_tokens=5 + i) for i in range(7)])
+    for i in range(7):
+        got = tokens(outs[f"r{i}"])
+        assert got == [synthetic_token(f"r{i}", j, 2000) for j in range(5 + i)]
+        assert all(FIRST_ORDINARY_ID <= t < 1999 for t in got)
+        assert outs[f"r{i}"][-1].finish_reason == "length"
+    # the same request alone gives the same tokens (batching does not change them)
+    assert tokens(run(SyntheticEngine(step_s=0.0), [req("r3", max_tokens=8)])["r3"]) == tokens(outs["r3"])
+
+
+def test_stop_ids_after_min_tokens_abort_and_deadlines():
+    first = [synthetic_token("s", j, 2000) for j in range(10)]
+    engine = SyntheticEngine(step_s=0.0, vocab_size=2000)
+    outs = run(engine, [req("s", max_tokens=10, stop_token_ids=[first[1], first[4]], min_tokens=3)])["s"]
+    assert tokens(outs) == first[:5] and outs[-1].finish_reason == "stop" and outs[-1].stop_token_id == first[4]
+
+    engine.add(req("a", max_tokens=50))
+    engine.step()
+    engine.abort("a")
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    past = GenerateRequest(request_id="d", prompt_token_ids=[1], deadline_ms=int(time.time() * 1000) - 1)
+    engine.add(past)
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_work()
+
+
+def test_logprobs_have_the_wire_shape_and_requests_are_validated():
+    engine = SyntheticEngine(step_s=0.0, vocab_size=2000, max_logprobs=5)
+    outs = run(engine, [req("l", max_tokens=3, logprobs=4, prompt_logprobs=2)])["l"]
+    rows = [row.content() for o in outs for row in (o.logprobs or [])]
+    assert [r.token_id for r in rows] == tokens(outs)
+    assert all(len(r.top_logprobs) == 4 and r.top_logprobs[0].token_id == r.token_id for r in rows)
+    assert outs[0].prompt_logprobs[0] is None and len(outs[0].prompt_logprobs) == 3
+    with pytest.raises(ValidationError):
+        engine.add(req("big", logprobs=6))
+    with pytest.raises(ValidationError):
+        engine.add(GenerateRequest(request_id="v", prompt_token_ids=[1, 2000]))
+
+
+@pytest.mark.kafka
+async def test_a_synthetic_generate_worker_streams_its_tokens_through_kafka(kafka_settings, make_topics):
+    """In the engine child process (make_engine there), as `--engine synthetic` runs it."""
+    from tests.test_generate_worker import produce, request_record
+    from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+
+    await make_topics(kafka_settings, partitions=2)
+    requests = [req(f"syn-{i}", max_tokens=20 + i, logprobs=2 if i % 2 else None) for i in range(12)]
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.ensure_future(run_generate_worker(
+        kafka_settings, GenerateWorkerConfig(group_id=f"{kafka_settings.topic_prefix}-gen", engine="synthetic",
+                                             synthetic_step_s=0.002, max_batch=4, engine_in="process"),
+        stop=stop, on_ready=ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 120)
+        await produce(kafka_settings, [request_record(r) for r in requests], partitions=2)
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({r.request_id for r in requests}), timeout=120)
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 60) == 0
+    got: dict[str, list[int]] = {}
+    for record in records:
+        chunk = decode_message(record, GenerateChunk)
+        got.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+        if chunk.request_id.endswith(("1", "3", "5", "7", "9")) and chunk.token_ids:
+            assert len(chunk.logprobs.content) == len(chunk.token_ids)
+    for i, r in enumerate(requests):
+        assert got[r.request_id] == [synthetic_token(r.request_id, j, 2000) for j in range(20 + i)]

@@ -1,0 +1,187 @@
+"""A synthetic engine: GPU-like step times with no model, for fleet and throughput
+benchmarks (`genpipe generate-worker --engine synthetic --step-ms S --max-batch B`).
+
+Like vLLM's dummy weights, it is a benchmarking tool and never a default: it runs the
+real worker, Kafka and derender path while the "model" costs nothing but a fixed step
+time. Each step takes `step_s` (measured from the step's start) and gives every running
+request its next token, up to `max_batch` requests at once (the rest wait in order).
+Tokens are a deterministic function of (request id, position), never a special id, so a
+benchmark can check every answer; logprobs, when asked, have the wire shape with made-up
+values. A request ends with "length" at `max_tokens` (or the context), with "stop" on one
+of its `stop_token_ids` once `min_tokens` are out, or with "abort" (cancel, deadline).
+Same interface as `Engine` (add/abort from any thread; has_work/step from one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from schemas.errors import ValidationError
+from schemas.records import GenerateLogProb, GenerateLogProbsContent, GenerateRequest
+from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
+from workers.generate.engine import RequestOutput
+from workers.generate.model_runner import ModelInfo
+
+FIRST_ORDINARY_ID = 3  # the tiny vocabularies' specials are 0..2 (spm) or the last id (byte-level)
+
+
+def synthetic_token(request_id: str, index: int, vocab_size: int) -> int:
+    """The `index`-th output token of a request: deterministic, never a special id."""
+    span = vocab_size - FIRST_ORDINARY_ID - 1
+    return FIRST_ORDINARY_ID + (zlib.crc32(request_id.encode()) + 7919 * index) % span
+
+
+class _Row:
+    """One position's logprobs in the engine's row form (`.content()` is the wire form)."""
+
+    __slots__ = ("token_id", "k", "vocab_size")
+
+    def __init__(self, token_id: int, k: int, vocab_size: int):
+        self.token_id, self.k, self.vocab_size = token_id, k, vocab_size
+
+    def content(self) -> GenerateLogProbsContent:
+        others = [(self.token_id + j) % self.vocab_size for j in range(1, self.k)]
+        tops = [GenerateLogProb(self.token_id, -0.5, 1)] + [GenerateLogProb(t, -0.5 - j, j + 1)
+                                                             for j, t in enumerate(others, 1)]
+        return GenerateLogProbsContent(token_id=self.token_id, logprob=-0.5, rank=1, top_logprobs=tops)
+
+
+@dataclass
+class _Running:
+    request: GenerateRequest
+    max_output: int
+    produced: int = 0
+    first: bool = True
+    stop_ids: frozenset = field(default_factory=frozenset)
+
+
+class SyntheticEngine:
+    def __init__(self, *, step_s: float = 0.002, max_batch: int = 256, vocab_size: int = 2000,
+                 max_model_len: int = 2048, max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+        self.step_s = step_s
+        self.max_batch = max_batch
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.info = ModelInfo(vocab_size, max_model_len, [], "synthetic")
+        self.native = True
+        self.steps = 0
+        self._lock = threading.Lock()
+        self._inbox: list[tuple] = []
+        self._known: set[str] = set()
+        self._waiting: deque[_Running] = deque()
+        self._running: dict[str, _Running] = {}
+
+    # --- any thread ----------------------------------------------------------------
+
+    def add(self, request: GenerateRequest) -> None:
+        validate_request(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+                         max_model_len=self.max_model_len)
+        with self._lock:
+            if request.request_id in self._known:
+                raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
+            self._known.add(request.request_id)
+            self._inbox.append(("add", request))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        with self._lock:
+            if request_id in self._known:
+                self._known.discard(request_id)
+                self._inbox.append(("abort", request_id, reason))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._running)
+
+    # --- the stepping thread ---------------------------------------------------------------
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        outputs: list[RequestOutput] = []
+        self._drain_inbox(outputs)
+        self._expire(outputs)
+        while self._waiting and len(self._running) < self.max_batch:
+            state = self._waiting.popleft()
+            self._running[state.request.request_id] = state
+        if not self._running:
+            return outputs
+        self.steps += 1
+        wait = self.step_s - (time.monotonic() - started)
+        if wait > 0:
+            time.sleep(wait)  # the "model": a fixed step time, GIL released
+        now_ns = time.time_ns()
+        for rid, state in list(self._running.items()):
+            p = state.request.sampling
+            token = synthetic_token(rid, state.produced, self.vocab_size)
+            state.produced += 1
+            finish, stop_id = None, None
+            if state.produced >= state.max_output:
+                finish = "length"
+            elif token in state.stop_ids and state.produced >= p.min_tokens:
+                finish, stop_id = "stop", token
+            k = p.logprobs
+            rows = None if k is None else [_Row(token, self.vocab_size if k == -1 else max(k, 1), self.vocab_size)]
+            out = RequestOutput(request_id=rid, token_ids=[token], logprobs=rows, finish_reason=finish,
+                                stop_token_id=stop_id, num_prompt_tokens=len(state.request.prompt_token_ids),
+                                num_output_tokens=state.produced, sampled_at_ns=now_ns)
+            if state.first:
+                state.first = False
+                if p.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None] + [_Row(t, max(p.prompt_logprobs, 1), self.vocab_size).content()
+                                                    for t in state.request.prompt_token_ids[1:]]
+            outputs.append(out)
+            if finish is not None:
+                self._finish(rid)
+        return outputs
+
+    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if item[0] == "add":
+                request = item[1]
+                room = self.max_model_len - len(request.prompt_token_ids)
+                max_tokens = request.sampling.max_tokens
+                self._waiting.append(_Running(request, room if max_tokens is None else min(max_tokens, room),
+                                              stop_ids=frozenset(request.sampling.stop_token_ids)))
+            else:
+                _, rid, reason = item
+                state = self._running.pop(rid, None) or self._take_waiting(rid)
+                if state is not None:
+                    outputs.append(self._final(state, reason if reason in ("abort", "error") else "abort"))
+
+    def _expire(self, outputs: list[RequestOutput]) -> None:
+        now_ms = time.time() * 1000
+        for state in [*self._running.values(), *self._waiting]:
+            deadline = state.request.deadline_ms
+            if deadline is not None and deadline <= now_ms:
+                rid = state.request.request_id
+                self._running.pop(rid, None) or self._take_waiting(rid)
+                outputs.append(self._final(state, "abort"))
+                self._finish(rid)
+
+    def _take_waiting(self, rid: str) -> _Running | None:
+        for state in self._waiting:
+            if state.request.request_id == rid:
+                self._waiting.remove(state)
+                return state
+        return None
+
+    def _final(self, state: _Running, reason: str) -> RequestOutput:
+        return RequestOutput(request_id=state.request.request_id, token_ids=[], finish_reason=reason,
+                             num_prompt_tokens=len(state.request.prompt_token_ids),
+                             num_output_tokens=state.produced, sampled_at_ns=time.time_ns())
+
+    def _finish(self, rid: str) -> None:
+        self._running.pop(rid, None)
+        with self._lock:
+            self._known.discard(rid)
