@@ -1,0 +1,189 @@
+"""Throughput of the Kafka side at GPU-like rates, and what each stage costs per token.
+
+Contender: a generate worker with the synthetic engine (`--engine synthetic`: no model,
+a fixed step time, up to --max-batch requests a step) and a derender worker, as
+processes, a real broker, and a reader of the results here. All requests are sent at
+once, so the engine runs full batches from the first step.
+Reference, in the same run: the same synthetic engine alone, in this process (its
+tokens/s is what the pipeline is offered). Printed: sustained tokens/s end to end and its
+ratio to the engine alone; CPU time per token of the generate worker, its engine child
+and the derender (from /proc, over the whole run); chunk and result records and their
+mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99.
+
+    python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
+        [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5] [--no-stream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from workers.kafka.settings import KafkaSettings  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def children(pid: int) -> list[int]:
+    """Child processes, leaving out multiprocessing's resource tracker (the engine child
+    is the other one)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [c for c in out if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def engine_alone(step_ms: float, max_batch: int, requests: int, max_tokens: int) -> float:
+    """Tokens/s of the synthetic engine stepping alone (the offered rate)."""
+    from schemas import GenerateRequest, SamplingParams
+    from workers.generate.synthetic import SyntheticEngine
+
+    engine = SyntheticEngine(step_s=step_ms / 1000, max_batch=max_batch)
+    for i in range(requests):
+        engine.add(GenerateRequest(request_id=f"ref-{i}", prompt_token_ids=[1, 5, 6, 7],
+                                   sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    start, produced = time.perf_counter(), 0
+    while engine.has_work():
+        produced += sum(len(o.token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def start_workers(settings: KafkaSettings, args, log_dir: Path) -> dict[str, subprocess.Popen]:
+    common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
+              "--log-level", "WARNING"]
+    procs = {}
+    for name, extra in (("generate", ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms),
+                                      "--max-batch", str(args.max_batch)]),
+                        ("derender", ["derender-worker"])):
+        log = open(log_dir / f"{name}.log", "wb")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+    return procs
+
+
+async def run_load(settings: KafkaSettings, args, k: int) -> dict:
+    """Send every request at once; read results until each has its final one."""
+    from schemas import encode, headers_for
+    from schemas.headers import HEADER_FINAL
+    from workers.client import make_request
+    from workers.kafka.clients import make_consumer, make_producer
+    from workers.kafka.follow import assign_all, batches
+
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    await consumer.start()
+    await assign_all(consumer, settings.topic("results"), None)
+    producer = make_producer(settings)
+    await producer.start()
+    requests = [make_request([1, 5, 6, 7], kind="completion", max_tokens=args.max_tokens, ignore_eos=True,
+                             stream=not args.no_stream, logprobs=k if k else None)
+                for _ in range(args.requests)]
+    wanted = {r.request_id for r in requests}
+    started = time.perf_counter()
+    for r in requests:
+        await producer.send(settings.topic("requests"), encode(r), key=r.request_id.encode(), headers=headers_for(r))
+    await producer.flush()
+    results = result_bytes = 0
+    latencies = []
+    done: set[str] = set()
+    async for records in batches(consumer):
+        now_ns = time.time_ns()
+        for record in records:
+            results += 1
+            result_bytes += len(record.value)
+            latencies.append(max(0.0, (now_ns - record.timestamp * 1_000_000) / 1e9))
+            if HEADER_FINAL in dict(record.headers or ()):
+                done.add(record.key.decode())
+        if wanted <= done:
+            break
+        if time.perf_counter() - started > 600:
+            raise RuntimeError(f"only {len(done)} of {len(wanted)} requests finished in 600 s")
+    elapsed = time.perf_counter() - started
+    await producer.stop()
+    await consumer.stop()
+    latencies.sort()
+    return {"elapsed": elapsed, "tokens": args.requests * args.max_tokens, "results": results,
+            "result_bytes": result_bytes, "p50": latencies[len(latencies) // 2],
+            "p99": latencies[int(len(latencies) * 0.99)]}
+
+
+async def chunk_stats(settings: KafkaSettings) -> tuple[int, int]:
+    from tests.kafka_helpers import read_to_end
+
+    records = await read_to_end(settings, settings.topic("chunks"))
+    return len(records), sum(len(r.value) for r in records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, one run each")
+    parser.add_argument("--no-stream", action="store_true")
+    args = parser.parse_args()
+
+    from workers.broker.topics import create_topics
+
+    offered = engine_alone(args.step_ms, args.max_batch, args.requests, args.max_tokens)
+    print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
+          f"{args.requests} requests x {args.max_tokens} tokens)")
+    print(f"{'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
+          f"{'derender us/tok':>15} {'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} "
+          f"{'age p50':>8} {'age p99':>8}")
+    log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
+    for k in args.k:
+        settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
+        asyncio.run(create_topics(settings, partitions=8))
+        procs = start_workers(settings, args, log_dir)
+        try:
+            deadline = time.monotonic() + 120
+            while not children(procs["generate"].pid):
+                time.sleep(0.2)  # polling for the engine child to exist; readiness is the warm-up below
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the generate worker's engine child did not start")
+            asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
+            engine_pid = children(procs["generate"].pid)[0]
+            before = {"gen": cpu_seconds(procs["generate"].pid), "engine": cpu_seconds(engine_pid),
+                      "der": cpu_seconds(procs["derender"].pid)}
+            run = asyncio.run(run_load(settings, args, k))
+            after = {"gen": cpu_seconds(procs["generate"].pid), "engine": cpu_seconds(engine_pid),
+                     "der": cpu_seconds(procs["derender"].pid)}
+            chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
+        finally:
+            for proc in procs.values():
+                os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs.values():
+                proc.wait(60)
+        tokens = run["tokens"]
+        per = {name: (after[name] - before[name]) / tokens * 1e6 for name in before}
+        rate = tokens / run["elapsed"]
+        print(f"{k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
+              f"{per['engine']:>13.1f} {per['der']:>15.1f} {chunks:>8} {chunk_bytes / max(chunks, 1):>8.0f} "
+              f"{run['results']:>8} {run['result_bytes'] / max(run['results'], 1):>8.0f} "
+              f"{run['p50'] * 1000:>6.0f}ms {run['p99'] * 1000:>6.0f}ms")
+    print(f"(worker logs: {log_dir}; chunk counts include the warm-up's 8 requests)")
+
+
+if __name__ == "__main__":
+    main()
