@@ -64,6 +64,10 @@ class KafkaUnreachable(KafkaConnectionError):
         return str(self.args[0]) if self.args else "Kafka unreachable"
 
 
+_starting = 0  # start_client() calls under way
+_saved: tuple[int, bool] = (logging.NOTSET, True)
+
+
 class _Reasons(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -78,11 +82,15 @@ async def start_client(client, settings: KafkaSettings) -> None:
     failed TLS handshake and a broker that is down alike ("Unable to bootstrap"), and
     only logs the reason; it is caught here and named. The client is stopped on failure
     (no "Unclosed AIOKafka..." warning after the message)."""
+    global _starting, _saved
     reasons = _Reasons()
     logger = logging.getLogger("aiokafka")
     # While starting, aiokafka's warnings come here only (a command may have silenced
-    # them; a worker's log gets the one line that names the reason instead).
-    level, propagate = logger.level, logger.propagate
+    # them; a worker's log gets the one line that names the reason instead). Starts may
+    # overlap: the logger's own settings are saved by the first and restored by the last.
+    if _starting == 0:
+        _saved = (logger.level, logger.propagate)
+    _starting += 1
     logger.setLevel(logging.WARNING)
     logger.propagate = False
     logger.addHandler(reasons)
@@ -93,8 +101,10 @@ async def start_client(client, settings: KafkaSettings) -> None:
         raise KafkaUnreachable(_why(settings, reasons.messages, exc)) from exc
     finally:
         logger.removeHandler(reasons)
-        logger.setLevel(level)
-        logger.propagate = propagate
+        _starting -= 1
+        if _starting == 0:
+            logger.setLevel(_saved[0])
+            logger.propagate = _saved[1]
 
 
 def _why(settings: KafkaSettings, messages: list[str], exc: Exception) -> str:
