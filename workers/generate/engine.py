@@ -34,35 +34,21 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 
 from schemas.errors import ValidationError
-from schemas.records import FinishReason, GenerateLogProbsContent, GenerateRequest, SamplingParams
+from schemas.records import GenerateRequest, SamplingParams
 from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
-from workers.generate.logprobs import RowLogprobs, prompt_positions, step_to_rows
+from workers.generate.logprobs import prompt_positions, step_to_rows
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
+from workers.generate.outputs import RequestOutput
 from workers.generate.sampler import make_generator, make_sampling_tensors, sample, suppress
 from workers.generate.scheduler import DECODE, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
-    """What one step produced for one request."""
-
-    request_id: str
-    token_ids: list[int]  # 0 or 1 new ids
-    logprobs: list[RowLogprobs] | None = None  # aligned with token_ids, if asked (.content(): wire form)
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it
-    prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # all ids generated so far, these included
-    sampled_at_ns: int = 0
 
 
 class Engine:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from schemas.errors import ValidationError
 from schemas.records import GenerateLogProb, GenerateLogProbsContent, GenerateRequest
 from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
-from workers.generate.engine import RequestOutput
 from workers.generate.model_runner import ModelInfo
+from workers.generate.outputs import RequestOutput
 
 FIRST_ORDINARY_ID = 3  # the tiny vocabularies' specials are 0..2 (spm) or the last id (byte-level)
 

@@ -1,0 +1,26 @@
+"""What an engine step produces: plain data, no torch.
+
+The engine child process pickles these to the worker; keeping the class out of the
+torch-importing engine module lets the worker process unpickle them without loading
+torch (~0.5 GB resident for the CUDA build, BENCHMARKS.md "Soak")."""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.records import FinishReason, GenerateLogProbsContent
+from workers.generate.logprob_entries import RowLogprobs
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # 0 or 1 new ids
+    logprobs: list[RowLogprobs] | None = None  # aligned with token_ids, if asked (.content(): wire form)
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it
+    prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # all ids generated so far, these included
+    sampled_at_ns: int = 0
