@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from schemas.errors import ValidationError
 from schemas.records import GenerateRequest, SamplingParams
-from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
+from schemas.validation import DEFAULT_MAX_LOGPROBS
+from workers.generate.inbox import Inbox
 from workers.generate.logprobs import prompt_positions, step_to_rows
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
@@ -80,9 +79,7 @@ class Engine:
         self._eos_primary = eos[0] if eos else None
         self._eos_extra = frozenset(eos[1:])
         self._eos_all = frozenset(eos)
-        self._lock = threading.Lock()
-        self._inbox: list[tuple] = []
-        self._known: set[str] = set()  # accepted and not yet finished
+        self._inbox = Inbox()
         self._seqs: dict[str, Sequence] = {}  # owned by the stepping thread
         self._deadlines: set[Sequence] = set()
         self._sampling_key: tuple = ()
@@ -94,21 +91,13 @@ class Engine:
 
     def add(self, request: GenerateRequest) -> None:
         """Validate and queue; the next step() admits it. Raises ValidationError."""
-        validate_request(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
-                         max_model_len=self.max_model_len)
-        with self._lock:
-            if request.request_id in self._known:
-                raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
-            self._known.add(request.request_id)
-            self._inbox.append(("add", request))
+        self._inbox.add(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+                        max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End the request at the next step with a final output (finish_reason "abort",
         or `reason` when it is another finish reason such as "error"). Unknown ids are ignored."""
-        with self._lock:
-            if request_id in self._known:
-                self._known.discard(request_id)  # the id may be added again right away
-                self._inbox.append(("abort", request_id, reason))
+        self._inbox.abort(request_id, reason)
 
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
@@ -169,9 +158,7 @@ class Engine:
     # --- internals ---------------------------------------------------------------------
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for item in inbox:
+        for item in self._inbox.take():
             if item[0] == "add":
                 seq = self._new_sequence(item[1])
                 self._seqs[seq.request_id] = seq
@@ -224,8 +211,7 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         self._deadlines.discard(seq)
         if forget:
-            with self._lock:
-                self._known.discard(seq.request_id)
+            self._inbox.finished(seq.request_id)
 
     def _final_output(self, seq: Sequence, reason: str) -> RequestOutput:
         out = RequestOutput(request_id=seq.request_id, token_ids=[], finish_reason=reason,

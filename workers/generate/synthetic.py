@@ -14,15 +14,14 @@ Same interface as `Engine` (add/abort from any thread; has_work/step from one).
 
 from __future__ import annotations
 
-import threading
 import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from schemas.errors import ValidationError
 from schemas.records import GenerateLogProb, GenerateLogProbsContent, GenerateRequest
-from schemas.validation import DEFAULT_MAX_LOGPROBS, validate_request
+from schemas.validation import DEFAULT_MAX_LOGPROBS
+from workers.generate.inbox import Inbox
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
 
@@ -70,28 +69,18 @@ class SyntheticEngine:
         self.info = ModelInfo(vocab_size, max_model_len, [], "synthetic")
         self.native = True
         self.steps = 0
-        self._lock = threading.Lock()
-        self._inbox: list[tuple] = []
-        self._known: set[str] = set()
+        self._inbox = Inbox()
         self._waiting: deque[_Running] = deque()
         self._running: dict[str, _Running] = {}
 
     # --- any thread ----------------------------------------------------------------
 
     def add(self, request: GenerateRequest) -> None:
-        validate_request(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
-                         max_model_len=self.max_model_len)
-        with self._lock:
-            if request.request_id in self._known:
-                raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
-            self._known.add(request.request_id)
-            self._inbox.append(("add", request))
+        self._inbox.add(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+                        max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        with self._lock:
-            if request_id in self._known:
-                self._known.discard(request_id)
-                self._inbox.append(("abort", request_id, reason))
+        self._inbox.abort(request_id, reason)
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._waiting or self._running)
@@ -144,9 +133,7 @@ class SyntheticEngine:
         return outputs
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for item in inbox:
+        for item in self._inbox.take():
             if item[0] == "add":
                 request = item[1]
                 room = self.max_model_len - len(request.prompt_token_ids)
@@ -183,5 +170,4 @@ class SyntheticEngine:
 
     def _finish(self, rid: str) -> None:
         self._running.pop(rid, None)
-        with self._lock:
-            self._known.discard(rid)
+        self._inbox.finished(rid)

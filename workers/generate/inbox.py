@@ -1,0 +1,50 @@
+"""Adds and aborts from any thread, taken by the stepping thread once a step.
+
+Both engines (the model's and the synthetic one) accept requests this way: `add`
+validates at once (so the caller gets the ValidationError) and refuses an id that is
+still running; `abort` of an unknown or finished id is ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from schemas.errors import ValidationError
+from schemas.records import GenerateRequest
+from schemas.validation import validate_request
+
+
+class Inbox:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: list[tuple] = []  # ("add", request) | ("abort", request_id, reason)
+        self._known: set[str] = set()  # accepted and not yet finished
+
+    def add(self, request: GenerateRequest, **limits) -> None:
+        """Validate against `limits` (validate_request's) and queue. Raises ValidationError."""
+        validate_request(request, **limits)
+        with self._lock:
+            if request.request_id in self._known:
+                raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
+            self._known.add(request.request_id)
+            self._items.append(("add", request))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            if request_id in self._known:
+                self._known.discard(request_id)  # the id may be added again right away
+                self._items.append(("abort", request_id, reason))
+
+    def take(self) -> list[tuple]:
+        """Everything queued since the last call, in order."""
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+    def finished(self, request_id: str) -> None:
+        """The request ended on its own: its id may be used again."""
+        with self._lock:
+            self._known.discard(request_id)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
