@@ -51,12 +51,13 @@ def request_record(request: GenerateRequest):
     return request.request_id.encode(), encode(request), headers_for(request)
 
 
-async def start_worker(settings, engine, **config):
+async def start_worker(settings, loaded_engine, **config):
+    """A generate worker on `loaded_engine` (None: built from `config`, as a worker does)."""
     stop = asyncio.Event()
     ready = asyncio.Event()
     task = asyncio.ensure_future(run_generate_worker(
         settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-gen", **config),
-        engine=engine, stop=stop, on_ready=ready.set))
+        engine=loaded_engine, stop=stop, on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), 60)
     return stop, task
 
