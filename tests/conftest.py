@@ -130,7 +130,7 @@ def kafka_settings(kafka_bootstrap) -> KafkaSettings:
 
 
 async def create_test_topics(settings: KafkaSettings, partitions: int = 8):
-    """Create the five topics for ``settings``; returns the TopicsReport."""
+    """Create the six topics for ``settings``; returns the TopicsReport."""
     from workers.broker.topics import create_topics
 
     return await create_topics(settings, partitions=partitions)
@@ -138,7 +138,7 @@ async def create_test_topics(settings: KafkaSettings, partitions: int = 8):
 
 @pytest.fixture
 def make_topics():
-    """``await make_topics(settings, partitions=8)`` creates the five topics."""
+    """``await make_topics(settings, partitions=8)`` creates the six topics."""
     return create_test_topics
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,11 +40,13 @@ class WorkerProcesses:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
-    def partitions(self, name: str) -> set[int]:
-        """The partitions a worker holds now, from its last "partitions assigned" log line."""
-        lines = [line for line in self.log(name).splitlines() if "partitions assigned: [" in line]
+    def partitions(self, name: str, topic_suffix: str = ".requests") -> set[int]:
+        """The partitions (of the topic ending in `topic_suffix`) a worker holds now, from
+        its last "partitions assigned (generation N): t[p], ...; kept: t[p], ..." log line."""
+        lines = [line for line in self.log(name).splitlines() if "partitions assigned (generation" in line]
         assert lines, f"{name} has no partitions yet"
-        return {int(p) for p in lines[-1].rsplit("[", 1)[1].rstrip("]").split(",") if p.strip()}
+        named = re.findall(r"(\S+)\[(\d+)\]", lines[-1].split("): ", 1)[1])
+        return {int(p) for topic, p in named if topic.endswith(topic_suffix)}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         for n, proc in self.procs:

@@ -122,6 +122,15 @@ async def test_topics_create_cli_is_idempotent(kafka_settings):
 
     assert await _partition_counts(kafka_settings) == {n: 3 for n in names}
 
+    # --grow adds partitions (Kafka never shrinks), results first and requests last.
+    grown = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "5", "--grow")
+    assert grown.returncode == 0, grown.stderr
+    assert [f"grown   {n} (3 -> 5 partitions)" for n in names] == sorted(
+        grown.stdout.splitlines(), key=lambda line: names.index(line.split()[1]))
+    assert await _partition_counts(kafka_settings) == {n: 5 for n in names}
+    again = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "4", "--grow")
+    assert [f"exists  {n} (5 partitions)" for n in names] == again.stdout.splitlines()
+
 
 async def test_create_topics_reports_created_then_existed(kafka_settings, make_topics):
     names = [kafka_settings.topic(role) for role in TOPIC_ROLES]

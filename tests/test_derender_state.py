@@ -155,6 +155,17 @@ def test_generate_error_chunk(d, tables):
     assert cancels(d.process(c)) == []  # finished; no cancel for a request generate ended
 
 
+def test_an_abort_that_says_why_is_an_abort_result_with_the_reason_in_a_header(d, tables):
+    """A request whose deadline passed while it waited: finish_reason abort, not an error."""
+    c = GenerateChunk(request_id="late", attempt="a", seq=0, finish_reason="abort", prompt_token_count=2,
+                      prompt_tail_ids=encode_ids(tables, "x"), output=OutputOptions(kind="completion"),
+                      error=ChunkError(message="deadline_ms 5 passed before the request started", type="timeout"))
+    (res,) = results(d.process(c))
+    assert res.final and not isinstance(res.value, ErrorResponse)
+    assert res.value.choices[0].finish_reason == "abort" and res.value.choices[0].text == ""
+    assert res.headers["genpipe-error"] == "deadline_ms 5 passed before the request started"
+
+
 def test_generate_error_chunk_with_the_bad_prompt_id_in_its_tail_reaches_the_user_as_written(d, tables):
     """`submit --token-ids 1,99999`: generate's precise error chunk also carries the bad id in
     prompt_tail_ids; derender refused the chunk for it and answered with a server_error."""

@@ -45,3 +45,52 @@ def test_releasing_out_of_order_keeps_the_minimum():
         t.release(offset)
     assert t.committable() == 3
     assert t.held == 5
+
+
+# --- finished beyond the committed offset (commit metadata) ---------------------------------
+
+from workers.kafka.offsets import FINISHED_PREFIX, decode_finished, encode_finished  # noqa: E402
+
+
+def _tracker(read_upto, unfinished):
+    tracker = OffsetTracker()
+    for offset in range(100, read_upto):
+        tracker.seen(offset)
+    for offset in unfinished:
+        tracker.hold(offset)
+    return tracker
+
+
+def test_finished_requests_beyond_the_commit_are_named_in_its_metadata():
+    tracker = _tracker(200, [105, 150, 151, 199])
+    committed = tracker.committable()
+    assert committed == 105
+    ahead = decode_finished(committed, encode_finished(tracker))
+    skipped = [o for o in range(100, 210) if ahead.finished(o)]
+    assert skipped == [o for o in range(106, 200) if o not in (150, 151, 199)]
+    assert len(ahead) == len(skipped)
+
+
+def test_nothing_beyond_the_commit_means_empty_metadata():
+    assert encode_finished(_tracker(200, [])) == ""
+    assert encode_finished(OffsetTracker()) == ""
+    assert encode_finished(_tracker(200, [199])) == f"{FINISHED_PREFIX}1:0"  # just the held one
+
+
+def test_a_list_too_long_for_kafka_is_cut_so_the_next_owner_redoes_more_never_less():
+    unfinished = list(range(1000, 50_000, 7))  # ~7,000 unfinished among 49,000 read
+    tracker = _tracker(50_000, unfinished)
+    text = encode_finished(tracker, limit=3000)
+    assert len(text) <= 3000
+    ahead = decode_finished(tracker.committable(), text)
+    held = set(unfinished)
+    assert not any(ahead.finished(o) for o in held)  # never skips unfinished work
+    assert ahead.finished(1001) and not ahead.finished(49_999)  # a prefix is reported, the rest redone
+    assert 0 < ahead.end < 50_000
+
+
+def test_unreadable_metadata_means_nothing_is_skipped():
+    for text in ["", None, "published=5", f"{FINISHED_PREFIX}zz!:1", f"{FINISHED_PREFIX}-5:", "gp-done:"]:
+        assert len(decode_finished(100, text)) == 0
+        assert not decode_finished(100, text).finished(101)
+    assert not decode_finished(None, f"{FINISHED_PREFIX}5:0").finished(1)

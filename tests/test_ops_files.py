@@ -500,3 +500,21 @@ def test_k8s_topics_job():
     (c,) = genpipe_containers(job)
     assert c["args"][:2] == ["topics", "create"]
     assert pod_spec(job)["restartPolicy"] in ("OnFailure", "Never")
+
+
+def test_keda_scaledobject_scales_the_generate_deployment_on_metrics_the_workers_export():
+    (obj,) = load_yaml_all(K8S / "autoscaling" / "scaledobject.yaml")
+    assert obj["kind"] == "ScaledObject"
+    generate = _deployments()["generate-worker"]
+    assert obj["spec"]["scaleTargetRef"]["name"] == generate["metadata"]["name"]
+    from workers.broker.topics import DEFAULT_PARTITIONS
+
+    assert obj["spec"]["minReplicaCount"] >= 1  # Prometheus sees no load with no worker
+    assert obj["spec"]["maxReplicaCount"] <= DEFAULT_PARTITIONS  # more would sit idle
+    triggers = {t["type"]: t["metadata"] for t in obj["spec"]["triggers"]}
+    exported = set(re.findall(r'"(genpipe_[a-z_]+)"', (ROOT / "workers" / "metrics.py").read_text()))
+    used = set(re.findall(r"genpipe_[a-z_]+", triggers["prometheus"]["query"]))
+    assert used == {"genpipe_consumer_lag_records", "genpipe_waiting_requests", "genpipe_in_flight_requests"}
+    assert used <= exported
+    assert triggers["kafka"]["consumerGroup"] == "genpipe-generate"
+    assert triggers["kafka"]["topic"] == "genpipe.requests"

@@ -23,6 +23,9 @@ REPLY_REFUSED = Counter("genpipe_reply_topic_refused_total",
                         "Requests answered on the default results topic because their reply_topic was "
                         "not allowed, missing or refused the record", ["worker"])
 IN_FLIGHT = Gauge("genpipe_in_flight_requests", "Requests started and not finished", ["worker"])
+REBALANCES = Counter("genpipe_rebalances_total", "Partition assignments this worker received "
+                     "(one per rebalance it took part in)", ["worker"])
+WAITING = Gauge("genpipe_waiting_requests", "Requests read and queued, not yet started (generate)", ["worker"])
 BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["worker"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])

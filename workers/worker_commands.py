@@ -84,7 +84,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
         engine_in=args.engine_in, threads=args.threads, max_record_bytes=args.max_record_bytes,
         engine=args.engine, synthetic_step_s=args.step_ms / 1000,
-        reply_topic_pattern=args.reply_topic_pattern,
+        reply_topic_pattern=args.reply_topic_pattern, queue_requests=args.queue_requests,
+        queue_tokens=args.queue_tokens, group_instance_id=args.group_instance_id or None, assignor=args.assignor,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
@@ -133,12 +134,14 @@ def _serve_with_metrics(args: argparse.Namespace, coroutine) -> int:
 def register(sub) -> None:
     gen = sub.add_parser(
         "generate-worker", help="run a generate worker: requests in, token chunks out",
-        description="Consume GenerateRequest records from <prefix>.requests (consumer group), run the "
-                    "model with continuous batching, and publish every sampled token as GenerateChunk "
-                    "records with integer-id logprobs to <prefix>.chunks. Cancels are read from "
-                    "<prefix>.cancel; undecodable records go to <prefix>.dlq. SIGTERM: stop taking "
-                    "requests, finish in-flight ones within the grace period, commit, exit 0 "
-                    "(requests still running then are left uncommitted, and re-run by the next owner).")
+        description="Consume GenerateRequest records from <prefix>.requests and <prefix>.requests.bulk "
+                    "(consumer group), run the model with continuous batching, and publish every sampled "
+                    "token as GenerateChunk records with integer-id logprobs to <prefix>.chunks. Requests "
+                    "wait in a bounded queue and start by priority (lower first), then deadline_ms, then "
+                    "arrival; bulk requests are read only while no interactive one waits. Cancels are read "
+                    "from <prefix>.cancel; undecodable records go to <prefix>.dlq. SIGTERM: stop taking "
+                    "requests, hand the waiting ones back, finish running ones within the grace period, "
+                    "commit, exit 0 (requests still running then are re-run by the next owner).")
     gen.add_argument("--model", default=os.environ.get("GENPIPE_MODEL"),
                      help="local Hugging Face causal-LM directory (env GENPIPE_MODEL; default: the "
                           "built-in tiny model, built into the cache on first use)")
@@ -171,6 +174,23 @@ def register(sub) -> None:
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "
                           "model's pace of ~50 tokens/s per request")
+    gen.add_argument("--queue-requests", type=at_least(1), default=os.environ.get("GENPIPE_QUEUE_REQUESTS", "1024"),
+                     help="requests read ahead and waiting to start, at most (env GENPIPE_QUEUE_REQUESTS; "
+                          "default %(default)s). The priority order applies among these; reading pauses "
+                          "while the queue is full")
+    gen.add_argument("--queue-tokens", type=at_least(1), default=os.environ.get("GENPIPE_QUEUE_TOKENS", "1000000"),
+                     help="prompt tokens of the waiting requests, at most (env GENPIPE_QUEUE_TOKENS; "
+                          "default %(default)s)")
+    gen.add_argument("--group-instance-id", default=os.environ.get("GENPIPE_GROUP_INSTANCE_ID"),
+                     help="static group membership (env GENPIPE_GROUP_INSTANCE_ID, e.g. the pod name of a "
+                          "StatefulSet; default: none). A worker that restarts within the session timeout "
+                          "(30 s) gets its partitions back with no rebalance; one that stops for good "
+                          "keeps them unowned until that timeout. Unique per worker")
+    gen.add_argument("--assignor", choices=("sticky", "roundrobin"), default="sticky",
+                     help="'sticky' (default): a rebalance moves only the partitions it must, and requests "
+                          "of partitions that stay keep running. 'roundrobin': aiokafka's default, every "
+                          "rebalance restarts every running request (for comparison; ops/bench/fleet.py). "
+                          "Use one value for the whole group")
     gen.add_argument("--coalesce-max-tokens", type=at_least(1), default=16,
                      help="at most this many tokens per chunk; tokens that piled up while the producer "
                           "lagged are cut into chunks of this size (default %(default)s)")

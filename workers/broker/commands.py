@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from workers.broker.topics import DEFAULT_PARTITIONS
 from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 
 
@@ -56,18 +57,27 @@ def register(subparsers) -> None:
 
     topics = subparsers.add_parser(
         "topics", help="manage genpipe's Kafka topics",
-        description="Manage the five genpipe topics: " + ", ".join(
+        description="Manage the six genpipe topics: " + ", ".join(
             f"<prefix>.{r}" for r in TOPIC_ROLES) + ".")
     topic_actions = topics.add_subparsers(dest="topics_action", metavar="ACTION", required=True)
     create = topic_actions.add_parser(
-        "create", help="create the five topics (idempotent: existing topics are kept)",
+        "create", help="create the six topics (idempotent: existing topics are kept)",
         description=(
-            "Create <prefix>.requests, .chunks, .results, .cancel and .dlq if missing. "
-            "Existing topics are left as they are; the command reports which were created "
-            "and which existed. requests, chunks and results must share one partition "
-            "count, so a request's records stay on one partition number end to end."))
-    create.add_argument("--partitions", type=int, default=8,
-                        help="partitions per topic (default %(default)s)")
+            "Create <prefix>.requests, .requests.bulk, .chunks, .results, .cancel and .dlq if "
+            "missing. Existing topics are left as they are (unless --grow); the command reports "
+            "which were created and which existed. requests, requests.bulk, chunks and results "
+            "must share one partition count, so a request's records stay on one partition "
+            "number end to end."))
+    create.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+                        help="partitions per topic (default %(default)s). A fleet can use at most this "
+                             "many generate workers; more partitions cost the brokers memory and make "
+                             "rebalances longer (README, \"Running a fleet\")")
+    create.add_argument("--grow", action="store_true",
+                        help="give existing topics with fewer partitions --partitions: results and "
+                             "--topic ones first, then chunks, then the request topics, so no request "
+                             "lands on a partition number whose chunks/results do not exist yet. "
+                             "Running requests keep their partitions; workers and clients see the new "
+                             "ones at their next metadata refresh (at most 5 minutes). Never shrinks")
     create.add_argument("--replication-factor", type=int, default=None,
                         help="replicas per partition (default: 3, or the number of brokers when fewer; "
                              "with 3 replicas the topics get min.insync.replicas=2)")
@@ -199,7 +209,7 @@ def _topics_create(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(create_topics(settings, partitions=args.partitions,
                                            replication_factor=args.replication_factor,
-                                           timeout=args.timeout, extra=args.extra_topics))
+                                           timeout=args.timeout, extra=args.extra_topics, grow=args.grow))
     except (TopicsError, ValueError) as exc:
         return _fail(str(exc))
     except Exception as exc:  # aiokafka errors: connection refused, auth, timeouts
@@ -209,11 +219,16 @@ def _topics_create(args: argparse.Namespace) -> int:
     for name in report.created:
         print(f"created {name} ({report.partitions[name]} partitions)")
     for name in report.existed:
-        print(f"exists  {name} ({report.partitions[name]} partitions)")
+        if name in report.grown:
+            before, after = report.grown[name]
+            print(f"grown   {name} ({before} -> {after} partitions)")
+        else:
+            print(f"exists  {name} ({report.partitions[name]} partitions)")
     differ = [name for name in report.existed if report.partitions[name] != args.partitions]
     if differ:
         print(f"warning: {', '.join(differ)} already exist with another partition count than "
-              f"--partitions {args.partitions}; existing topics are not changed", file=sys.stderr)
+              f"--partitions {args.partitions}; existing topics are not changed"
+              + ("" if args.grow else " (--grow adds partitions)"), file=sys.stderr)
     if report.mismatched(settings):
         print("warning: requests, chunks and results have different partition counts; "
               "a request's records may then change partition number", file=sys.stderr)

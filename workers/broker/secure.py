@@ -78,6 +78,7 @@ def acls_for(prefix: str, *, generate: str = "generate", derender: str = "derend
     t = f"{prefix}."
     acls = [
         *allow(generate, "topic", t + "requests", "literal", "read", "describe"),
+        *allow(generate, "topic", t + "requests.bulk", "literal", "read", "describe"),
         *allow(generate, "topic", t + "cancel", "literal", "read", "describe"),
         *allow(generate, "topic", t + "chunks", "literal", "write", "describe"),
         *allow(generate, "topic", t + "dlq", "literal", "write", "describe"),
@@ -91,6 +92,7 @@ def acls_for(prefix: str, *, generate: str = "generate", derender: str = "derend
     ]
     for user, tenant in (clients or {}).items():
         acls += allow(user, "topic", t + "requests", "literal", "write", "describe")
+        acls += allow(user, "topic", t + "requests.bulk", "literal", "write", "describe")
         acls += allow(user, "topic", t + "cancel", "literal", "write", "describe")
         acls += allow(user, "topic", f"{t}reply.{tenant}", "literal", "read", "describe")
     return acls

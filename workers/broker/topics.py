@@ -1,7 +1,7 @@
-"""Create genpipe's five topics (docs/design.md §2), idempotently.
+"""Create genpipe's six topics (docs/design.md §2), idempotently.
 
-requests, chunks and results must share one partition count so a request's records
-stay on one partition number end to end; cancel and dlq simply use the same count.
+requests, requests.bulk, chunks and results must share one partition count so a
+request's records stay on one partition number end to end; cancel and dlq simply use the same count.
 """
 
 from __future__ import annotations
@@ -22,22 +22,33 @@ class TopicsError(RuntimeError):
 class TopicsReport:
     created: list[str] = field(default_factory=list)
     existed: list[str] = field(default_factory=list)
+    grown: dict[str, tuple[int, int]] = field(default_factory=dict)  # topic -> (before, after)
     partitions: dict[str, int] = field(default_factory=dict)  # topic -> partition count
 
     def mismatched(self, settings: KafkaSettings) -> list[str]:
         """requests/chunks/results whose partition counts differ (pre-existing topics)."""
-        names = [settings.topic(r) for r in ("requests", "chunks", "results")]
+        names = [settings.topic(r) for r in ("requests", "requests.bulk", "chunks", "results")]
         counts = {self.partitions.get(n) for n in names}
         return names if len(counts) > 1 else []
 
 
-async def create_topics(settings: KafkaSettings, partitions: int = 8,
+DEFAULT_PARTITIONS = 32  # a fleet can use at most this many generate workers (README, "Running a fleet")
+
+# Growing an existing deployment: results (and reply topics) first, then chunks, then the
+# request topics. A request that lands on a new partition number p then always finds
+# chunks[p] and results[p]; requests already running stay on their partition numbers.
+_GROW_ORDER = ("results", "chunks", "requests.bulk", "requests", "cancel", "dlq")
+
+
+async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTITIONS,
                         replication_factor: int | None = None, timeout: float = 30,
-                        extra: Sequence[str] = ()) -> TopicsReport:
+                        extra: Sequence[str] = (), grow: bool = False) -> TopicsReport:
     """Create the missing topics among ``settings.topic(role)`` for every role, and the
     `extra` ones (a tenant's reply topic, a replay target) with the same settings.
 
-    Existing topics are left alone (their partition count is reported, not changed).
+    Existing topics are left alone (their partition count is reported, not changed)
+    unless `grow`: then those with fewer than `partitions` get more, results and reply
+    topics first, request topics last (see _GROW_ORDER; Kafka never shrinks a topic).
     `replication_factor` None: min(3, brokers in the cluster); with 3 or more replicas the
     topics get min.insync.replicas=2, so an acknowledged record survives a lost broker.
     Waits up to `timeout` for a broker to answer. Returns once every topic has a leader
@@ -85,12 +96,34 @@ async def create_topics(settings: KafkaSettings, partitions: int = 8,
                                     + (f" ({rest[0]})" if rest and rest[0] else ""))
             if failures:
                 raise TopicsError("could not create topics: " + "; ".join(failures))
+        if grow and report.existed:
+            await _grow(admin, settings, [n for n in names if n in report.existed], partitions, timeout, report)
         report.partitions = await _wait_for_leaders(admin, names, timeout)
     finally:
         await admin.close()
     report.existed.sort(key=names.index)
     report.created.sort(key=names.index)
     return report
+
+
+async def _grow(admin, settings: KafkaSettings, existing: list[str], partitions: int, timeout: float,
+                report: TopicsReport) -> None:
+    from aiokafka.admin import NewPartitions
+
+    counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(existing)}
+    role_of = {settings.topic(role): role for role in _GROW_ORDER}
+    # Unknown names (reply topics, replay targets) go with the results: first.
+    ordered = sorted(existing, key=lambda n: _GROW_ORDER.index(role_of[n]) if n in role_of else 0)
+    for name in ordered:
+        before = counts.get(name, 0)
+        if 0 < before < partitions:
+            response = await admin.create_partitions({name: NewPartitions(total_count=partitions)},
+                                                     timeout_ms=int(timeout * 1000))
+            for topic, code, message in response.topic_errors:
+                if code:
+                    raise TopicsError(f"could not grow {topic} to {partitions} partitions: {message or code}")
+            await _wait_for_leaders(admin, [name], timeout)  # in order: the next one only after this one
+            report.grown[name] = (before, partitions)
 
 
 async def _wait_for_leaders(admin, names: list[str], timeout: float) -> dict[str, int]:

@@ -29,7 +29,7 @@ from typing import Iterable, Union
 
 import msgspec
 
-from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
+from schemas.headers import HEADER_ATTEMPT, HEADER_ERROR, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
 from schemas.validation import DEFAULT_MAX_LOGPROBS
@@ -352,6 +352,8 @@ class Derenderer:
             req.restart = False
         if final:
             headers[HEADER_FINAL] = "1"
+            if chunk.error is not None and chunk.finish_reason != "error":
+                headers[HEADER_ERROR] = chunk.error.message[:1000]  # why it was aborted (docs/design.md §4)
         self.stats.results += 1
         topic = req.reply_topic if req is not None else chunk.reply_topic
         return Result(rid, topic, value, headers, final)

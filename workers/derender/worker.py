@@ -214,9 +214,9 @@ class DerenderHandler(Handler):
         done = tracker.committable() if tracker is not None else None
         return f"{METADATA_PREFIX}{max(done or 0, self.publish_from.get(tp, 0))}"
 
-    async def on_assigned(self, partitions, metadata) -> None:
+    async def on_assigned(self, partitions, committed) -> None:
         for tp in partitions:
-            self.publish_from[tp] = parse_published(metadata.get(tp))
+            self.publish_from[tp] = parse_published(committed[tp].metadata if tp in committed else None)
             self.published[tp] = OffsetTracker()
             if self.publish_from[tp]:
                 log.info("partition %d: results up to offset %d were published before; replaying quietly",
@@ -231,7 +231,7 @@ class DerenderHandler(Handler):
         # `published`/`publish_from` stay: the loop commits the revoked partitions right
         # after this, with their metadata; on_assigned starts them afresh.
 
-    def wants_pause(self) -> bool:
+    def wants_pause(self, topic: str) -> bool:
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
 
     async def drain(self, deadline: float) -> None:

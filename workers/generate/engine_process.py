@@ -31,7 +31,7 @@ import msgspec
 from schemas.errors import ValidationError
 from schemas.records import GenerateRequest
 from schemas.validation import validate_request
-from workers.generate.engine_thread import Deliver, EngineThread
+from workers.generate.engine_thread import Deliver, EngineThread, engine_limits
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,13 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="genpipe-engine-reader", daemon=True)
         self._reader.start()
 
+    def validate(self, request) -> None:
+        """Raises schemas ValidationError for a request the engine would refuse."""
+        validate_request(request, **self.limits)
+
     def add(self, request) -> None:
         """Validate here (raises schemas ValidationError) and queue it in the child."""
-        validate_request(request, **self.limits)
+        self.validate(request)
         self._send(Add(request))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -184,8 +188,7 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     except BaseException as exc:
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(Ready({"max_logprobs": engine.max_logprobs, "vocab_size": engine.vocab_size,
-                     "max_model_len": engine.max_model_len}))
+    conn.send(Ready(engine_limits(engine)))
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:

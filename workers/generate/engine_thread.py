@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Callable
 
+from schemas.validation import validate_request
+
 log = logging.getLogger(__name__)
 
 # deliver(outputs, step_seconds), called on the engine thread after every step; after a
@@ -37,6 +39,10 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+
+    def validate(self, request) -> None:
+        """Raises schemas ValidationError for a request the engine would refuse."""
+        validate_request(request, **engine_limits(self.engine))
 
     def add(self, request) -> None:
         """Validate and queue (raises schemas ValidationError); the thread admits it next step."""
@@ -70,3 +76,8 @@ class EngineThread:
             log.exception("engine thread failed")
             self.failure = exc
             self._deliver([], 0.0)
+
+
+def engine_limits(engine) -> dict[str, int]:
+    """validate_request's keyword arguments for an engine (the model's or the synthetic one)."""
+    return dict(max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from schemas import Cancel, RecordError
+from workers.generate.admission import WaitingQueue
 from workers.generate.engine_process import EngineProcess, make_engine
 from workers.generate.engine_thread import EngineThread
 from workers.generate.chunks import W, ChunkPolicy
@@ -47,6 +48,17 @@ class GenerateWorkerConfig:
     engine: str = "model"  # or "synthetic": no model, `synthetic_step_s` a step (benchmarks only)
     synthetic_step_s: float = 0.002
     reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
+    queue_requests: int = 1024  # read-ahead queue of requests not yet started (admission.py)
+    queue_tokens: int = 1_000_000  # ... and of their prompt tokens
+    group_instance_id: str | None = None  # static membership (docs/design.md §7)
+    assignor: str = "sticky"  # or "roundrobin": aiokafka's default, nothing kept (benchmark reference)
+
+    @property
+    def engine_slots(self) -> int:
+        """Requests handed to the engine at once: a batch plus a little headroom, so a
+        freed row is refilled at the next step while the best waiting requests stay in
+        the worker's priority queue (the engine itself runs its queue in arrival order)."""
+        return self.max_batch + max(1, self.max_batch // 4)
 
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
@@ -123,8 +135,9 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
 
     def make_handler(publisher, offsets):
         outputs.handler = GenerateHandler(settings, publisher, offsets, outputs.engine,
-                                          max_running=config.max_batch * 2, policy=config.policy,
-                                          reply_rule=rule)
+                                          max_running=config.engine_slots, policy=config.policy,
+                                          reply_rule=rule,
+                                          waiting=WaitingQueue(config.queue_requests, config.queue_tokens))
         return outputs.handler
 
     def on_cancel(message) -> None:
@@ -140,10 +153,13 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
         return [follow(settings, settings.topic("cancel"), on_cancel, stop_event, since_ms=since)]
 
     try:
-        return await serve(settings, topic=settings.topic("requests"), group_id=config.group_id,
+        return await serve(settings, topic=[settings.topic("requests"), settings.topic("requests.bulk")],
+                           group_id=config.group_id,
                            make_handler=make_handler, stop=stop, grace_s=config.grace_s,
                            background=background, on_ready=on_ready, worker=W,
-                           loop_options={"commit_interval_s": config.commit_interval_s},
+                           loop_options={"commit_interval_s": config.commit_interval_s,
+                                         "group_instance_id": config.group_instance_id,
+                                         "assignor": config.assignor},
                            max_record_bytes=config.max_record_bytes,
                            uses=[settings.topic("chunks"), settings.topic("cancel")])
     finally:

@@ -1,9 +1,13 @@
 """The generate worker's Kafka logic: requests in, token chunks out (docs/design.md §4).
 
-The shared loop (workers/kafka/loop.py) consumes requests and commits; this handler
-decodes and validates them, feeds the engine thread, turns engine outputs into chunks
-(coalescing tokens while the producer lags), and holds each request's offset until its
-final chunk is acknowledged, so a crash re-runs unfinished requests and loses none.
+The shared loop (workers/kafka/loop.py) consumes requests (and bulk requests) and
+commits; this handler decodes and validates them, queues them (workers/generate/
+admission.py) and admits them to the engine by priority, deadline and arrival, turns
+engine outputs into chunks (coalescing tokens while the producer lags), and holds each
+request's offset until its final chunk is acknowledged, so a crash re-runs unfinished
+requests and loses none. Requests finish out of order, so each commit also says which
+offsets beyond it are done (workers/kafka/offsets.py); a partition's next owner skips
+those. A rebalance that hands a partition back keeps its requests running (§7).
 """
 
 from __future__ import annotations
@@ -16,22 +20,26 @@ import msgspec
 from aiokafka import TopicPartition
 
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
+from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
 from workers.kafka.loop import Handler
-from workers.kafka.offsets import PartitionOffsets, Release, release_when_acked
+from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
+                                   release_when_acked)
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, series
+from workers.metrics import DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
 
 
 class GenerateHandler(Handler):
+    keeps_work = True  # a partition that comes back after a rebalance keeps its requests running
+
     def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
                  engine_thread, *, max_running: int, policy: ChunkPolicy | None = None,
-                 reply_rule: ReplyTopicRule | None = None):
+                 reply_rule: ReplyTopicRule | None = None, waiting: WaitingQueue | None = None):
         self.settings = settings
         self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.publisher = publisher
@@ -40,19 +48,27 @@ class GenerateHandler(Handler):
         self.max_running = max_running
         self.policy = policy or ChunkPolicy()
         self.chunks = ChunkBuilder(settings.topic("chunks"), self.policy, publisher.fits, publisher.max_record_bytes)
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
+        self.waiting: WaitingQueue[InFlight] = waiting or WaitingQueue()  # read, not yet admitted
+        self.bulk_topic = settings.topic("requests.bulk")
+        self.finished_ahead: dict[TopicPartition, FinishedAhead] = {}  # from the previous owner's commit
         # Taking a chunk (which numbers it) and handing it to the producer happen under
         # one lock, so a partition receives every request's chunks in seq order.
         self._publish_lock = asyncio.Lock()
         self._publishing: set[asyncio.Task] = set()  # publish tasks scheduled from engine outputs
         self._idle = asyncio.Event()  # set while nothing is in flight (shutdown waits on it)
         self._idle.set()
+        self._draining = False  # shutdown: nothing more is admitted
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
 
     # --- requests in ------------------------------------------------------------------
 
     async def handle(self, message) -> None:
         tp = TopicPartition(message.topic, message.partition)
+        ahead = self.finished_ahead.get(tp)
+        if ahead is not None and ahead.finished(message.offset):
+            series(REQUESTS, W, "skipped").inc()  # the previous owner finished it (commit metadata)
+            return
         release = self.offsets.hold(message)
         try:
             request = decode_message(message, GenerateRequest)
@@ -75,23 +91,49 @@ class GenerateHandler(Handler):
                 await self._reject(state, problem)
                 return
         series(REQUESTS, W, "accepted").inc()
-        if request.request_id in self.inflight:
-            # The same request twice at once (a producer retry): the running one answers.
+        if request.request_id in self.inflight or request.request_id in self.waiting:
+            # The same request twice at once (a producer retry): the first copy answers.
             log.warning("request %s already running; duplicate at offset %d dropped",
                         request.request_id, message.offset)
             release()
             return
-        if request.request_id in self.cancelled or _expired(request):
+        if request.request_id in self.cancelled:
             await self._publish_final(state, Final("abort"))
             return
+        if _expired(request):
+            await self._publish_final(state, _deadline_passed(state))
+            return
         try:
-            self.engine.add(request)
+            self.engine.validate(request)
         except ValidationError as exc:
             await self._reject(state, str(exc))
             return
-        self.inflight[request.request_id] = state
-        self._idle.clear()
+        self.waiting.push(state, tier=1 if tp.topic == self.bulk_topic else 0)
+        finals = self._admit()
+        if finals:
+            await self._publish_step(finals)
+
+    def _admit(self) -> list[tuple[InFlight, Final]]:
+        """Move waiting requests into the engine while it has room, best first; returns
+        the finals of requests the engine refused (published by the caller)."""
+        refused = []
+        while len(self.inflight) < self.max_running:
+            state = self.waiting.pop()
+            if state is None:
+                break
+            try:
+                self.engine.add(state.request)
+            except ValidationError as exc:  # e.g. the id is still ending in the engine
+                series(REQUESTS, W, "invalid").inc()
+                series(ERRORS, W).inc()
+                refused.append((state, Final("error", ChunkError(message=str(exc)))))
+                continue
+            self.inflight[state.request.request_id] = state
+            self._idle.clear()
         series(IN_FLIGHT, W).set(len(self.inflight))
+        series(WAITING, W).set(len(self.waiting))
+        return refused
+
 
     async def _to_dlq(self, message, release: Release, error: str) -> None:
         series(DLQ, W).inc()
@@ -130,11 +172,17 @@ class GenerateHandler(Handler):
                 finals.append((state, out))
         for state, _ in finals:
             del self.inflight[state.request.request_id]
+        ended = [(state, Final(out.finish_reason, stop_token_id=out.stop_token_id)) for state, out in finals]
+        if not self._draining:
+            ended += self._admit()  # the freed slots, at once
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
-        task = asyncio.ensure_future(self._publish_step(
-            [(state, Final(out.finish_reason, stop_token_id=out.stop_token_id)) for state, out in finals]))
+        self._publish_soon(ended)
+
+    def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> None:
+        """_publish_step from code that cannot await (engine outputs, cancels)."""
+        task = asyncio.ensure_future(self._publish_step(finals))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
@@ -192,25 +240,58 @@ class GenerateHandler(Handler):
                 del self.cancelled[key]
         if request_id in self.inflight:
             self.engine.abort(request_id, "abort")
+        state = self.waiting.remove(request_id)
+        if state is not None:
+            self._publish_soon([(state, Final("abort"))])
 
     async def tick(self) -> None:
         if self.engine.failure is not None:
             raise RuntimeError(f"engine failed: {self.engine.failure!r}")
+        now_ms = time.time() * 1000
         for request_id, state in list(self.inflight.items()):
-            if _expired(state.request):
+            if _expired(state.request, now_ms):
                 self.engine.abort(request_id, "abort")
-        await self._flush_ready()
+        finals = [(state, _deadline_passed(state)) for state in self.waiting.expired(now_ms)]
+        if not self._draining:
+            finals += self._admit()
+        await self._publish_step(finals)
 
-    def wants_pause(self) -> bool:
-        return len(self.inflight) >= self.max_running
+    def wants_pause(self, topic: str) -> bool:
+        if self._draining or self.waiting.full():
+            return True
+        if topic == self.bulk_topic:
+            # Bulk work is read only while no interactive request waits here, and only about
+            # as much as keeps the engine busy (plus what one fetch brings); an interactive
+            # request is read at once and, at equal priority, admitted first
+            # (docs/design.md §4, "Scheduling").
+            return self.waiting.by_tier[0] > 0 or len(self.waiting) >= self.max_running
+        return False
+
+    def commit_metadata(self, tp: TopicPartition) -> str:
+        tracker = self.offsets.get(tp)
+        return encode_finished(tracker) if tracker is not None else ""
 
     # --- rebalance, shutdown ------------------------------------------------------------
 
-    async def on_revoked(self, partitions) -> None:
-        revoked = set(partitions)
+    async def on_assigned(self, partitions, committed) -> None:
+        for tp in partitions:
+            done = committed.get(tp)
+            ahead = decode_finished(done.offset if done else None, done.metadata if done else None)
+            self.finished_ahead[tp] = ahead
+            if len(ahead):
+                log.info("%s[%d]: %d requests beyond offset %d were finished by the previous owner; skipped",
+                         tp.topic, tp.partition, len(ahead), ahead.start)
+
+    async def on_lost(self, partitions) -> None:
+        """Partitions another worker owns now: it re-runs their requests, so stop ours
+        (no abort chunk) and forget the waiting ones (never started: nothing to undo)."""
+        lost = set(partitions)
         for state in list(self.inflight.values()):
-            if state.tp in revoked:
-                self._stop_running(state)  # no abort chunk: the new owner re-runs it
+            if state.tp in lost:
+                self._stop_running(state)
+        self.waiting.take_all(keep=lambda state: state.tp not in lost)
+        for tp in lost:
+            self.finished_ahead.pop(tp, None)
         if not self.inflight:
             self._idle.set()
 
@@ -225,6 +306,14 @@ class GenerateHandler(Handler):
             self._idle.set()
 
     async def drain(self, deadline: float) -> None:
+        """Shutdown (a scale-in): admit nothing more; the waiting requests were never
+        started, so they are handed back as they are (held: the last commit stops before
+        them, and its metadata tells the next owner what finished beyond); the running
+        ones finish if they can before `deadline`."""
+        self._draining = True
+        handed_back = self.waiting.take_all()
+        if handed_back:
+            log.info("shutting down: %d waiting requests handed back to the partitions' next owners", len(handed_back))
         try:
             await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -232,9 +321,18 @@ class GenerateHandler(Handler):
         await asyncio.gather(*self._publishing)  # finals handed to the producer
         if self.inflight:
             log.warning("grace period over: %d requests left for the next owner", len(self.inflight))
-            await self.on_revoked({state.tp for state in self.inflight.values()})
+            await self.on_lost({state.tp for state in self.inflight.values()})
         await self.publisher.flush()
 
 
-def _expired(request: GenerateRequest) -> bool:
-    return request.deadline_ms is not None and request.deadline_ms <= time.time() * 1000
+def _expired(request: GenerateRequest, now_ms: float | None = None) -> bool:
+    return request.deadline_ms is not None and request.deadline_ms <= (now_ms or time.time() * 1000)
+
+
+def _deadline_passed(state: InFlight) -> Final:
+    """A request whose deadline_ms passed before it started: an abort that says why."""
+    waited = time.monotonic() - state.received_at
+    return Final("abort", ChunkError(
+        message=f"deadline_ms {state.request.deadline_ms} passed before the request started "
+                f"(it waited {waited:.1f} s in the worker's queue)",
+        type="timeout"))

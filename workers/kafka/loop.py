@@ -2,9 +2,17 @@
 
 A worker supplies a `Handler` with its logic; this module owns the consumer group, the
 rebalance listener, per-partition offset trackers, periodic commits (with the handler's
-commit metadata), backpressure (pause/resume), and the shutdown sequence. Offsets are
-committed only as far as the trackers allow, so a crash or a rebalance re-delivers what
-was not finished and loses nothing.
+commit metadata), backpressure (pause/resume, per topic), and the shutdown sequence.
+Offsets are committed only as far as the trackers allow, so a crash or a rebalance
+re-delivers what was not finished and loses nothing.
+
+Rebalances (docs/design.md §7). aiokafka's protocol is eager: every rebalance revokes
+every partition of every member. A handler with `keeps_work = True` (the generate
+worker) keeps its work through that: on revoke the loop commits but keeps the trackers;
+on assignment, partitions that came back in the very next generation (nobody else can
+have owned them in between) continue where they were, read on from where this worker
+had read, and only the partitions that really moved are given to `on_lost`. With the
+sticky assignor (workers/kafka/assignor.py) few partitions move.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
+from workers.kafka.assignor import StickyAssignor
 from workers.kafka.clients import make_admin, make_consumer
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import update_lag
+from workers.metrics import REBALANCES, series, update_lag
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +39,32 @@ class Handler:
     `PartitionOffsets` it was built with) and calls the returned release once the work is
     safely published: the loop commits no further than the lowest held offset."""
 
+    keeps_work = False  # True: work of partitions that come back after a rebalance goes on
+
     async def handle(self, message) -> None:
         """One consumed record, in partition order."""
         raise NotImplementedError
 
-    async def on_assigned(self, partitions: list[TopicPartition], metadata: dict[TopicPartition, str]) -> None:
-        """New partitions; `metadata` is what was committed with their offsets."""
+    async def on_assigned(self, partitions: list[TopicPartition],
+                          committed: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        """New partitions; `committed`: their committed offsets, with the metadata stored
+        with them (absent for a partition never committed)."""
 
     async def on_revoked(self, partitions: list[TopicPartition]) -> None:
-        """Stop the work of these partitions: their new owner will redo it."""
+        """A rebalance takes these partitions. Without `keeps_work`: stop their work
+        (their new owner redoes it). With it: they may come back; `on_lost` says which
+        did not."""
+
+    async def on_lost(self, partitions: list[TopicPartition]) -> None:
+        """Partitions that were revoked and did not come back (with `keeps_work`; without
+        it, or with the round-robin assignor, every revoked one, right after `on_revoked`):
+        stop their work, their new owner redoes it."""
 
     async def tick(self) -> None:
         """Called every loop turn (timers: coalescing delays, deadlines)."""
 
-    def wants_pause(self) -> bool:
-        """True while the worker is full: the loop pauses its partitions."""
+    def wants_pause(self, topic: str) -> bool:
+        """True while the worker wants no more of `topic`: the loop pauses its partitions."""
         return False
 
     def commit_metadata(self, tp: TopicPartition) -> str:
@@ -56,14 +76,14 @@ class Handler:
 
 
 class ConsumerLoop:
-    def __init__(self, settings: KafkaSettings, topic: str, group_id: str, handler: Handler,
+    def __init__(self, settings: KafkaSettings, topics: str | list[str], group_id: str, handler: Handler,
                  offsets: PartitionOffsets, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
                  group_instance_id: str | None = None, consumer_overrides: dict | None = None,
-                 worker: str = "worker"):
+                 worker: str = "worker", assignor: str = "sticky"):
         self.settings = settings
         self.worker = worker  # metrics label
-        self.topic = topic
+        self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.group_id = group_id
         self.handler = handler
         self.commit_interval_s = commit_interval_s
@@ -71,7 +91,8 @@ class ConsumerLoop:
         self.max_records = max_records
         self.offsets = offsets  # shared with the handler, which holds offsets through it
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
-        self._paused = False
+        self._paused: set[str] = set()  # topics paused for backpressure
+        self._revoked_at: int | None = None  # generation whose partitions were revoked, kept
         # Partitions whose assignment callback has completed. aiokafka may hand out
         # records of a new partition while the callback is still awaiting (reading the
         # commit metadata); those are re-fetched once the handler knows the partition.
@@ -79,6 +100,12 @@ class ConsumerLoop:
         overrides = dict(consumer_overrides or {})
         if group_instance_id:
             overrides["group_instance_id"] = group_instance_id  # static membership: no rebalance on quick restart
+        # "roundrobin": aiokafka's default, and nothing kept across a rebalance (what every
+        # worker did before the sticky assignor; the fleet benchmark's reference).
+        self.assignor = StickyAssignor() if assignor == "sticky" else None
+        self.keep_work = handler.keeps_work and self.assignor is not None
+        if self.assignor is not None:
+            overrides.setdefault("partition_assignment_strategy", (self.assignor,))
         self.consumer = make_consumer(settings, group_id=group_id, **overrides)
         self.ready = asyncio.Event()  # set once partitions are assigned the first time
 
@@ -108,13 +135,14 @@ class ConsumerLoop:
         for tp, om in offsets.items():
             self._committed[tp] = (om.offset, om.metadata)
 
-    async def _committed_metadata(self, partitions: list[TopicPartition]) -> dict[TopicPartition, str]:
+    async def _committed_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
         # consumer.committed() drops the metadata string; the admin client returns it.
         admin = make_admin(self.settings.with_client_id(f"{self.settings.client_id}-admin"))
         try:
             await admin.start()
             result = await admin.list_consumer_group_offsets(self.group_id, partitions=partitions)
-            return {tp: (om.metadata or "") for tp, om in result.items() if om is not None and om.offset >= 0}
+            return {tp: OffsetAndMetadata(om.offset, om.metadata or "")
+                    for tp, om in result.items() if om is not None and om.offset >= 0}
         except KafkaError as exc:
             log.warning("could not read committed metadata: %s", exc)
             return {}
@@ -131,42 +159,77 @@ class ConsumerLoop:
                 revoked = list(revoked)
                 if not revoked:
                     return
-                log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+                log.info("partitions revoked: %s", _names(revoked))
                 await loop.handler.on_revoked(revoked)
                 await loop.commit(revoked)
+                loop._ready.difference_update(revoked)
+                if loop.keep_work:
+                    loop._revoked_at = current_generation(loop.consumer)  # trackers stay for now
+                    return
+                await loop.handler.on_lost(revoked)  # nothing is kept: all of them are lost
                 for tp in revoked:
-                    loop.offsets.drop(tp)
-                    loop._committed.pop(tp, None)
-                    loop._ready.discard(tp)
+                    loop._forget(tp)
 
             async def on_partitions_assigned(self, assigned):
                 assigned = list(assigned)
-                log.info("partitions assigned: %s", sorted(tp.partition for tp in assigned))
-                metadata = await loop._committed_metadata(assigned) if assigned else {}
-                for tp in assigned:
+                series(REBALANCES, loop.worker).inc()
+                generation = current_generation(loop.consumer)
+                kept = set()
+                if loop._revoked_at is not None:
+                    # Kept only when no generation came between: then no one else owned them.
+                    if loop._revoked_at >= 0 and generation == loop._revoked_at + 1:
+                        kept = {tp for tp in assigned if loop.offsets.get(tp) is not None}
+                    lost = [tp for tp in loop.offsets.partitions() if tp not in kept]
+                    loop._revoked_at = None
+                    if lost:
+                        log.info("partitions moved away: %s", _names(lost))
+                        await loop.handler.on_lost(lost)
+                        for tp in lost:
+                            loop._forget(tp)
+                new = [tp for tp in assigned if tp not in kept]
+                log.info("partitions assigned (generation %d): %s%s", generation, _names(new),
+                         f"; kept: {_names(kept)}" if kept else "")
+                for tp in kept:  # read on from where this worker was, not from the commit
+                    next_offset = loop.offsets.get(tp).next_offset
+                    if next_offset is not None:
+                        loop.consumer.seek(tp, next_offset)
+                committed = await loop._committed_offsets(new) if new else {}
+                for tp in new:
                     loop.offsets.reset(tp)
-                await loop.handler.on_assigned(assigned, metadata)
+                await loop.handler.on_assigned(new, committed)
                 loop._ready.update(assigned)
-                if loop._paused and assigned:
-                    loop.consumer.pause(*assigned)
+                paused = [tp for tp in assigned if tp.topic in loop._paused]
+                if paused:
+                    loop.consumer.pause(*paused)
                 loop.ready.set()
 
         return Listener()
 
     # --- the loop -------------------------------------------------------------------
 
+    def _forget(self, tp: TopicPartition) -> None:
+        self.offsets.drop(tp)
+        self._committed.pop(tp, None)
+        self._ready.discard(tp)
+
     def _apply_backpressure(self) -> None:
-        want = self.handler.wants_pause()
-        if want and not self._paused:
-            self.consumer.pause(*self.consumer.assignment())
-            self._paused = True
-        elif not want and self._paused:
-            self.consumer.resume(*self.consumer.assignment())
-            self._paused = False
+        for topic in self.topics:
+            want = self.handler.wants_pause(topic)
+            if want == (topic in self._paused):
+                continue
+            partitions = [tp for tp in self.consumer.assignment() if tp.topic == topic]
+            if want:
+                self.consumer.pause(*partitions)
+                self._paused.add(topic)
+            else:
+                self.consumer.resume(*partitions)
+                self._paused.discard(topic)
 
     async def run(self, stop: asyncio.Event, grace_s: float = 30.0) -> None:
         await self.consumer.start()
-        self.consumer.subscribe([self.topic], listener=self._listener())
+        if self.assignor is not None:
+            self.assignor.coordinator = getattr(self.consumer, "_coordinator", None)
+        self.consumer.subscribe(self.topics, listener=self._listener())
         last_commit = time.monotonic()
         try:
             while not stop.is_set():
@@ -191,3 +254,14 @@ class ConsumerLoop:
             await self.commit()
         finally:
             await self.consumer.stop()
+
+
+def current_generation(consumer) -> int:
+    """The consumer group generation this member is in (-1 when unknown: nothing is kept)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    generation = getattr(coordinator, "generation", -1)
+    return generation if isinstance(generation, int) else -1
+
+
+def _names(partitions) -> str:
+    return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(partitions)) or "none"

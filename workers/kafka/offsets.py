@@ -109,3 +109,84 @@ def release_when_acked(future: asyncio.Future, release: Release) -> None:
         if not f.cancelled() and f.exception() is None:
             release()
     future.add_done_callback(done)
+
+
+# --- work finished beyond the committed offset ---------------------------------------------
+#
+# A worker that finishes requests out of order (the generate worker admits by priority)
+# can commit only up to its lowest unfinished offset; everything it finished beyond that
+# would run again on the partition's next owner. So the commit carries, in its metadata,
+# how far the worker had read and which offsets in between were still unfinished, as the
+# parallel consumers do; the next owner skips the rest. Kafka keeps at most
+# `offset.metadata.max.bytes` (4096 by default) per commit, so the list is cut to fit:
+# a cut list only makes the next owner redo more, never skip what did not finish.
+
+FINISHED_PREFIX = "gp-done:"
+MAX_METADATA_CHARS = 3000
+
+
+def encode_finished(tracker: OffsetTracker, limit: int = MAX_METADATA_CHARS) -> str:
+    """`gp-done:<span>:<unfinished, delta-coded base36>` relative to the committable offset:
+    every offset in [committable, committable+span) not listed finished. "" when there is
+    nothing beyond the committable offset."""
+    start = tracker.committable()
+    if start is None or tracker.next_offset is None or tracker.next_offset <= start:
+        return ""
+    held = sorted(o for o in tracker._held if o >= start)
+    end = tracker.next_offset
+    parts, previous, length = [], start, len(FINISHED_PREFIX) + 12
+    for i, offset in enumerate(held):
+        piece = _b36(offset - previous)
+        if length + len(piece) + 1 > limit:
+            end = offset  # what lies beyond this one is simply not reported
+            break
+        parts.append(piece)
+        length += len(piece) + 1
+        previous = offset
+    if end <= start:
+        return ""
+    return f"{FINISHED_PREFIX}{_b36(end - start)}:{','.join(parts)}"
+
+
+class FinishedAhead:
+    """The reading side: which offsets of [start, end) the previous owner finished."""
+
+    __slots__ = ("start", "end", "unfinished")
+
+    def __init__(self, start: int = 0, end: int = 0, unfinished: frozenset[int] = frozenset()):
+        self.start, self.end, self.unfinished = start, end, unfinished
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start - len(self.unfinished))
+
+    def finished(self, offset: int) -> bool:
+        return self.start <= offset < self.end and offset not in self.unfinished
+
+
+def decode_finished(committed: int | None, metadata: str | None) -> FinishedAhead:
+    """Anything unreadable (another worker kind's metadata, a damaged string) means
+    nothing is known to be finished: the next owner redoes it, loses nothing."""
+    if committed is None or not metadata or not metadata.startswith(FINISHED_PREFIX):
+        return FinishedAhead()
+    try:
+        span_text, _, listed = metadata[len(FINISHED_PREFIX):].partition(":")
+        span = int(span_text, 36)
+        unfinished, offset = set(), committed
+        for piece in filter(None, listed.split(",")):
+            offset += int(piece, 36)
+            unfinished.add(offset)
+    except ValueError:
+        return FinishedAhead()
+    if span < 0 or any(o < committed for o in unfinished):
+        return FinishedAhead()
+    return FinishedAhead(committed, committed + span, frozenset(unfinished))
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out

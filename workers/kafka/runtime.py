@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 HandlerFactory = Callable[[Publisher, PartitionOffsets], Handler]
 
 
-async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_handler: HandlerFactory,
+async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id: str, make_handler: HandlerFactory,
                 stop: asyncio.Event | None = None, grace_s: float = 30.0,
                 background: Callable[[asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
@@ -32,7 +32,8 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                 max_record_bytes: int = MAX_RECORD_BYTES, uses: Sequence[str] = ()) -> int:
     """Run one worker until `stop` is set; return an exit code.
 
-    `uses`: the topics the worker writes or follows besides `topic` (checked at start,
+    `topic`: the topic (or topics) the worker consumes. `uses`: the topics it writes or
+    follows besides those (checked at start,
     like `topic` and the DLQ). Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
     one (several workers in one process, tests), the caller decides when to stop.
     """
@@ -57,7 +58,8 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
     publisher = Publisher(producer, settings.topic("dlq"), max_record_bytes)
     # The deployment's own topics must exist: a worker that finds one missing only when it
     # first publishes there would stop mid-work; say it now, in one line.
-    needed = dict.fromkeys([topic, *uses, settings.topic("dlq")])
+    consumed = [topic] if isinstance(topic, str) else list(topic)
+    needed = dict.fromkeys([*consumed, *uses, settings.topic("dlq")])
     missing = [t for t in needed if not await publisher.partition_count(t)]
     if missing:
         await producer.stop()
@@ -66,7 +68,7 @@ async def serve(settings: KafkaSettings, *, topic: str, group_id: str, make_hand
                            f"(or this worker may not see {'them' if len(missing) > 1 else 'it'}): create them with "
                            f"`genpipe topics create --topic-prefix {settings.topic_prefix}`")
     offsets = PartitionOffsets()
-    consumer_loop = ConsumerLoop(settings, topic, group_id, make_handler(publisher, offsets), offsets,
+    consumer_loop = ConsumerLoop(settings, consumed, group_id, make_handler(publisher, offsets), offsets,
                                  worker=worker, **(loop_options or {}))
     tasks = [asyncio.ensure_future(t) for t in (background(stop) if background else [])]
     failures: list[BaseException] = []

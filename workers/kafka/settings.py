@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 DEFAULT_TOPIC_PREFIX = "genpipe"
-# The five topics of docs/design.md §2, by role; their names are "<prefix>.<role>".
-TOPIC_ROLES = ("requests", "chunks", "results", "cancel", "dlq")
+# The six topics of docs/design.md §2, by role; their names are "<prefix>.<role>".
+TOPIC_ROLES = ("requests", "requests.bulk", "chunks", "results", "cancel", "dlq")
 
 # The largest record a worker publishes (value, key and headers). Kafka's defaults refuse
 # a record batch over ~1 MiB (broker message.max.bytes, producer max.request.size); this
@@ -91,7 +91,7 @@ class KafkaSettings:
             help="Kafka bootstrap servers (env GENPIPE_BOOTSTRAP_SERVERS; default %(default)s)")
         group.add_argument(
             "--topic-prefix", default=env.topic_prefix,
-            help="prefix of the five genpipe topics (env GENPIPE_TOPIC_PREFIX; default %(default)s)")
+            help="prefix of the six genpipe topics (env GENPIPE_TOPIC_PREFIX; default %(default)s)")
         group.add_argument(
             "--security-protocol", default=env.security_protocol,
             choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],

@@ -1,0 +1,94 @@
+"""The admission order of waiting requests (workers/generate/admission.py): pure, no broker."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from schemas import GenerateRequest
+from workers.generate.admission import WaitingQueue
+
+
+@dataclass
+class Item:
+    request: GenerateRequest
+
+
+def item(rid, priority=0, deadline_ms=None, prompt=3):
+    return Item(GenerateRequest(request_id=rid, prompt_token_ids=[1] * prompt, priority=priority,
+                                deadline_ms=deadline_ms))
+
+
+def drain(queue):
+    out = []
+    while (i := queue.pop()) is not None:
+        out.append(i.request.request_id)
+    return out
+
+
+def test_lower_priority_first_then_earlier_deadline_then_arrival():
+    q = WaitingQueue()
+    for i in [item("bulk-1", 10), item("late", 0, 9_000), item("none-1", 0), item("soon", 0, 5_000),
+              item("bulk-2", 10, 1), item("none-2", 0), item("urgent", -5)]:
+        q.push(i)
+    assert drain(q) == ["urgent", "soon", "late", "none-1", "none-2", "bulk-2", "bulk-1"]
+    assert len(q) == 0 and q.tokens == 0
+
+
+def test_at_equal_priority_interactive_goes_before_bulk():
+    q = WaitingQueue()
+    q.push(item("bulk-early", 0, 1_000), tier=1)
+    q.push(item("bulk-urgent", -1), tier=1)
+    q.push(item("chat", 0))
+    assert q.by_tier == [1, 2]
+    assert drain(q) == ["bulk-urgent", "chat", "bulk-early"]
+    assert q.by_tier == [0, 0]
+
+
+def test_expired_leave_the_queue_and_nothing_else_does():
+    q = WaitingQueue()
+    q.push(item("a", 0, 1_000))
+    q.push(item("b", 5, 2_000))
+    q.push(item("c", 0, 3_000))
+    q.push(item("d", 0))
+    assert [i.request.request_id for i in q.expired(2_000)] == ["a", "b"]
+    assert q.expired(2_500) == []
+    assert drain(q) == ["c", "d"]
+
+
+def test_bounded_by_requests_and_by_prompt_tokens():
+    q = WaitingQueue(max_requests=3, max_tokens=100)
+    q.push(item("a", prompt=10))
+    q.push(item("b", prompt=10))
+    assert not q.full()
+    q.push(item("c", prompt=10))
+    assert q.full()  # by count
+    q.pop()
+    assert not q.full()
+    q.push(item("big", prompt=90))
+    assert q.full() and q.tokens == 110  # by tokens (push is never refused: the caller pauses)
+    with pytest.raises(KeyError):
+        q.push(item("big"))
+    with pytest.raises(ValueError):
+        WaitingQueue(max_requests=0)
+
+
+def test_remove_and_take_all_keep_the_order_of_the_rest():
+    q = WaitingQueue()
+    for rid, p in [("a", 3), ("b", 1), ("c", 2), ("d", 0)]:
+        q.push(item(rid, p))
+    assert q.remove("b").request.request_id == "b"
+    assert q.remove("b") is None
+    assert "b" not in q and "c" in q
+    taken = q.take_all(keep=lambda i: i.request.request_id != "c")
+    assert [i.request.request_id for i in taken] == ["c"]
+    assert drain(q) == ["d", "a"]
+
+
+def test_stale_entries_do_not_grow_without_bound():
+    q = WaitingQueue()
+    q.push(item("keep", 99))
+    for n in range(5_000):  # pushed and removed many times while one request stays
+        q.push(item(f"r{n}", 0, 10**12))
+        q.remove(f"r{n}")
+    assert len(q._order) < 200 and len(q._deadlines) < 200
+    assert drain(q) == ["keep"]
