@@ -92,3 +92,36 @@ def test_stale_entries_do_not_grow_without_bound():
         q.remove(f"r{n}")
     assert len(q._order) < 200 and len(q._deadlines) < 200
     assert drain(q) == ["keep"]
+
+
+def test_engines_queue_beyond_their_batch_by_priority_then_arrival():
+    from collections import deque
+
+    from workers.generate.admission import queue_by_priority
+
+    queue = deque()
+    for i in [item("a"), item("b", 5), item("c"), item("d", -1), item("e", 0, 10)]:
+        queue_by_priority(queue, i)
+    assert [i.request.request_id for i in queue] == ["d", "e", "a", "c", "b"]
+
+
+def test_the_model_engine_and_the_synthetic_one_start_a_better_request_first():
+    from schemas import SamplingParams
+    from workers.generate.scheduler import Scheduler, Sequence
+    from workers.generate.synthetic import SyntheticEngine
+
+    requests = [GenerateRequest(request_id=rid, prompt_token_ids=[1], priority=priority,
+                                sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+                for rid, priority in [("first", 0), ("low", 9), ("high", -9)]]
+    engine = SyntheticEngine(step_s=0.0, max_batch=1, vocab_size=100)
+    for r in requests:
+        engine.add(r)
+    order = []
+    while engine.has_work():
+        order += [o.request_id for o in engine.step() if o.finish_reason]
+    assert order == ["high", "first", "low"]
+
+    scheduler = Scheduler(max_rows=1, prefill_chunk=8)
+    for r in requests:
+        scheduler.add(Sequence(r, max_output=1))
+    assert [p.seq.request_id for p in scheduler.schedule().prefills] == ["high"]

@@ -110,6 +110,25 @@ async def test_bulk_topic_is_read_only_while_no_interactive_request_waits(kafka_
     assert len(order) == 43  # every bulk request ran too, once
 
 
+async def test_rows_kept_free_of_bulk_work_let_an_interactive_request_start_at_once(kafka_settings, make_topics):
+    """The engine does not preempt; a batch full of long bulk requests would make an
+    interactive one wait for the first of them to end. 1/16 of the rows stay free of bulk."""
+    await make_topics(kafka_settings, partitions=1)
+    bulk = [req(f"bulk-{i}", 150) for i in range(40)]  # ~1.5 s each; far more than a batch
+    stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
+                                    synthetic_step_s=0.01, max_batch=16)
+    try:
+        await send(kafka_settings, bulk, role="requests.bulk")
+        await first_chunk_of(kafka_settings, ["bulk-0"])
+        await send(kafka_settings, [req("chat", 2)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), timeout=60,
+                                   until=chunks_finished(["chat"]))
+    finally:
+        await stop_worker(stop, task, timeout=120)
+    finals = [c.request_id for c in finals_in_order(records)]
+    assert finals[0] == "chat", f"a bulk request ended first: {finals[:3]}"
+
+
 async def test_a_deadline_that_passes_while_queued_aborts_before_taking_a_slot(kafka_settings, make_topics):
     await make_topics(kafka_settings, partitions=1)
     stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",

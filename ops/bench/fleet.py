@@ -59,10 +59,17 @@ def start_worker(settings: KafkaSettings, args, name: str, assignor: str, max_ba
 
 
 async def members(settings: KafkaSettings) -> int:
-    from workers.kafka.groups import group_members
+    """Members of the generate group once it is stable (no rebalance under way), else -1."""
+    from aiokafka.errors import KafkaError
+
+    from workers.kafka.groups import group_states
 
     group = f"{settings.topic_prefix}-generate"
-    return (await group_members(settings, [group])).get(group, 0)
+    try:
+        state, n = (await group_states(settings, [group]))[group]
+    except (KafkaError, asyncio.TimeoutError):  # a fresh broker: no group coordinator yet
+        return -1
+    return n if state == "Stable" or n == 0 else -1
 
 
 async def wait_members(settings: KafkaSettings, n: int, timeout: float = 120) -> None:
@@ -83,6 +90,7 @@ def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
 @dataclass
 class Seen:
     sent_at: float = 0.0
+    partition: int | None = None
     first_chunk_at: float | None = None
     attempts: dict[str, float] = field(default_factory=dict)  # attempt -> its first chunk
     last_chunk_at: dict[str, float] = field(default_factory=dict)
@@ -162,17 +170,20 @@ class Sender:
         self.producer = make_producer(self.settings, linger_ms=5)
         await self.producer.start()
 
-    async def send(self, rid: str, max_tokens: int, *, role="requests", priority=0) -> None:
+    async def send(self, rid: str, max_tokens: int, *, role="requests", priority=0, partition=None) -> None:
         r = GenerateRequest(request_id=rid, prompt_token_ids=[1, 5, 6, 7], priority=priority,
                             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         self.observer.seen[rid].sent_at = time.monotonic()
-        await self.producer.send(self.settings.topic(role), encode(r), key=rid.encode(), headers=headers_for(r))
+        self.observer.seen[rid].partition = partition
+        await self.producer.send(self.settings.topic(role), encode(r), key=rid.encode(), headers=headers_for(r),
+                                 partition=partition)
         self.sent.append(rid)
 
-    async def steady(self, rate: float, max_tokens: int, until: asyncio.Event, prefix="s") -> None:
+    async def steady(self, rate: float, max_tokens: int, until: asyncio.Event, partitions: int) -> None:
+        """`rate` requests/s, round robin over the partitions (so each partition has load)."""
         n, start = 0, time.monotonic()
         while not until.is_set():
-            await self.send(f"{prefix}-{n}", max_tokens)
+            await self.send(f"s-{n}", max_tokens, partition=n % partitions)
             n += 1
             delay = start + n / rate - time.monotonic()
             if delay > 0:
@@ -198,6 +209,23 @@ async def deployment(args, partitions: int):
     return settings, observer, sender
 
 
+async def end_load(until: asyncio.Event, load: asyncio.Future, sender: Sender, observer: Observer) -> None:
+    """Stop sending; wait until everything sent has finished."""
+    until.set()
+    await load
+    await sender.producer.flush()
+    await observer.wait_done(sender.sent)
+
+
+async def teardown(procs, sender: Sender, observer: Observer) -> None:
+    for p in procs:
+        stop(p)
+    for p in procs:
+        p.wait(60)
+    await sender.stop()
+    await observer.stop()
+
+
 def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
@@ -214,8 +242,9 @@ async def mixed_run(args, layout: str) -> dict:
         bulk = []
         if layout != "alone":
             role, priority = ("requests.bulk", 10) if layout in ("priority", "bulk-alone") else ("requests", 0)
-            for i in range(args.bulk):
-                await sender.send(f"bulk-{i}", args.max_tokens, role=role, priority=priority)
+            for i in range(args.bulk):  # lengths vary (half to 1.5x), as real ones do
+                length = max(1, args.max_tokens // 2 + (i * 7) % (args.max_tokens + 1))
+                await sender.send(f"bulk-{i}", length, role=role, priority=priority)
                 bulk.append(f"bulk-{i}")
             await sender.producer.flush()
         started = time.monotonic()
@@ -232,30 +261,26 @@ async def mixed_run(args, layout: str) -> dict:
                     break
         await observer.wait_done(bulk + interactive)
         bulk_s = max((max(observer.seen[b].last_chunk_at.values()) for b in bulk), default=started) - started
+        bulk_tokens = sum(max(1, args.max_tokens // 2 + (i * 7) % (args.max_tokens + 1)) for i in range(len(bulk)))
         ttft = [observer.seen[i].first_chunk_at - observer.seen[i].sent_at for i in interactive]
         lost, dup = observer.check(bulk + interactive)
         return {"ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99), "n": len(interactive),
-                "bulk_tok_s": len(bulk) * args.max_tokens / bulk_s if bulk else 0.0, "lost": lost, "dup": dup}
+                "bulk_tok_s": bulk_tokens / bulk_s if bulk else 0.0, "lost": lost, "dup": dup}
     finally:
-        for p in procs:
-            stop(p)
-        for p in procs:
-            p.wait(60)
-        await sender.stop()
-        await observer.stop()
+        await teardown(procs, sender, observer)
 
 
 async def part_mixed(args) -> None:
     print(f"\n== mixed: {args.bulk} bulk requests + interactive at 2/s, 2 workers, batch {args.max_batch}, "
           f"step {args.step_ms:g} ms, {args.max_tokens} tokens each ==")
-    print(f"{'run':<34} {'chat n':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'bulk tok/s':>10} {'lost':>5} {'dup':>4}")
+    print(f"{'run':<34} {'chat n':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'bulk tok/s':>10} {'lost':>5} {'finals>1':>8}")
     rows = {}
     for layout, label in (("alone", "interactive alone"), ("bulk-alone", "bulk alone (bulk topic)"),
                           ("fifo", "reference: one topic, one priority"),
                           ("priority", "contender: bulk topic, priority 10")):
         r = rows[layout] = await mixed_run(args, layout)
         print(f"{label:<34} {r['n']:>6} {r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p99'] * 1000:>7.0f}ms "
-              f"{r['bulk_tok_s']:>10,.0f} {r['lost']:>5} {r['dup']:>4}")
+              f"{r['bulk_tok_s']:>10,.0f} {r['lost']:>5} {r['dup']:>8}")
     print(f"TTFT p99 with the backlog / alone: contender {rows['priority']['ttft_p99'] / rows['alone']['ttft_p99']:.2f}x "
           f"(goal <= 2x), reference {rows['fifo']['ttft_p99'] / rows['alone']['ttft_p99']:.2f}x; bulk tok/s "
           f"with interactive / alone: {rows['priority']['bulk_tok_s'] / rows['bulk-alone']['bulk_tok_s']:.2f}x "
@@ -269,7 +294,7 @@ async def part_scale(args, assignor: str) -> None:
     events = []
     try:
         await wait_members(settings, 2)
-        load = asyncio.ensure_future(sender.steady(args.rate, 100, until))
+        load = asyncio.ensure_future(sender.steady(args.rate, 100, until, 12))
         await asyncio.sleep(8)  # steady state (a load phase of fixed length, not a wait on a race)
         for n, label, moved in ((3, "2 -> 3 (join)", 4), (4, "3 -> 4 (join)", 3)):
             events.append((label, time.monotonic(), moved))
@@ -281,23 +306,16 @@ async def part_scale(args, assignor: str) -> None:
             stop(p)
         await wait_members(settings, 2)
         await asyncio.sleep(8)
-        until.set()
-        await load
-        await sender.producer.flush()
-        await observer.wait_done(sender.sent)
+        await end_load(until, load, sender, observer)
     finally:
-        for p in procs:
-            stop(p)
-        for p in procs:
-            p.wait(60)
-        await sender.stop()
-        await observer.stop()
+        await teardown(procs, sender, observer)
     ends = [t for _, t, _ in events[1:]] + [time.monotonic()]
     for (label, at, moved), end in zip(events, ends):
         flying = observer.in_flight(sender.sent, at)
         restarted = observer.restarted_between(sender.sent, at, end)
+        hit = {observer.seen[r].partition for r in restarted}
         print(f"{assignor:<10} {label:<20} {len(flying):>9} {len(restarted):>9} "
-              f"{len(restarted) / max(1, len(flying)):>8.0%} {moved / 12:>14.0%}")
+              f"{len(restarted) / max(1, len(flying)):>8.0%} {len(hit):>10} of 12 {moved:>9} of 12")
     lost, dup = observer.check(sender.sent)
     print(f"{assignor:<10} {len(sender.sent)} requests: lost {lost}, duplicated finals {dup}")
 
@@ -308,24 +326,16 @@ async def part_kill(args, assignor: str) -> None:
     until = asyncio.Event()
     try:
         await wait_members(settings, 3)
-        load = asyncio.ensure_future(sender.steady(args.rate, 100, until))
+        load = asyncio.ensure_future(sender.steady(args.rate, 100, until, 12))
         await asyncio.sleep(8)
         killed_at = time.monotonic()
         stop(procs[0], signal.SIGKILL)
         await wait_members(settings, 2, timeout=120)  # after the session timeout
         rebalanced_at = time.monotonic()
         await asyncio.sleep(8)
-        until.set()
-        await load
-        await sender.producer.flush()
-        await observer.wait_done(sender.sent)
+        await end_load(until, load, sender, observer)
     finally:
-        for p in procs:
-            stop(p)
-        for p in procs:
-            p.wait(60)
-        await sender.stop()
-        await observer.stop()
+        await teardown(procs, sender, observer)
     flying = observer.in_flight(sender.sent, killed_at)
     restarted = observer.restarted_between(sender.sent, killed_at, time.monotonic())
     # A request that got chunks of its first attempt well after the kill ran on a survivor.
@@ -341,7 +351,8 @@ async def main_async(args) -> None:
         await part_mixed(args)
     if "scale" in args.parts:
         print(f"\n== scale: steady {args.rate:g} requests/s x 100 tokens, 12 partitions, batch 16 ==")
-        print(f"{'assignor':<10} {'event':<20} {'in flight':>9} {'restarted':>9} {'share':>8} {'partitions moved':>14}")
+        print(f"{'assignor':<10} {'event':<20} {'in flight':>9} {'restarted':>9} {'share':>8} "
+              f"{'partitions with restarts':>16} {'must move':>12}")
         for assignor in ("sticky", "roundrobin"):
             await part_scale(args, assignor)
     if "kill" in args.parts:

@@ -15,6 +15,7 @@ in tests/test_admission.py.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -30,6 +31,18 @@ T = TypeVar("T", bound=_HasRequest)
 
 def admission_key(priority: int, tier: int, deadline_ms: int | None, arrival: int) -> tuple:
     return (priority, tier, deadline_ms if deadline_ms is not None else math.inf, arrival)
+
+
+def queue_by_priority(queue, item) -> None:
+    """Put `item` (it has `.request`) into an engine's small waiting queue (a list or
+    deque) after every item that ranks before or with it: the engines run the few
+    requests the worker hands them beyond a batch in priority order too, arrival order
+    among equals (docs/design.md §4, "Scheduling")."""
+    bisect.insort_right(queue, item, key=lambda x: (x.request.priority, _deadline(x.request)))
+
+
+def _deadline(request) -> float:
+    return request.deadline_ms if request.deadline_ms is not None else math.inf
 
 
 class WaitingQueue(Generic[T]):
@@ -80,6 +93,16 @@ class WaitingQueue(Generic[T]):
             item = self._take(request_id, arrival)
             if item is not None:
                 return item
+        return None
+
+    def peek_tier(self) -> int | None:
+        """The tier of the request `pop` would return (None when nothing waits)."""
+        while self._order:
+            _, request_id, arrival = self._order[0]
+            entry = self._items.get(request_id)
+            if entry is not None and entry[0] == arrival:
+                return entry[2]
+            heapq.heappop(self._order)  # stale
         return None
 
     def remove(self, request_id: str) -> T | None:

@@ -5,7 +5,7 @@ and leaves the moment it finishes. Each step:
 
 - chunked prefill, bounded by `prefill_chunk` prompt tokens per step: requests already
   part-way through their prompt continue first (FIFO), then waiting requests are
-  admitted while a cache row is free and budget is left. A long prompt therefore takes
+  admitted, by priority then arrival, while a cache row is free and budget is left. A long prompt therefore takes
   several steps and never stalls the decoding requests, which run every step;
 - every DECODE request feeds its last sampled token.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.records import GenerateRequest, SamplingParams
+from workers.generate.admission import queue_by_priority
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
 
@@ -106,7 +107,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = WAITING
-        self.waiting.append(seq)
+        queue_by_priority(self.waiting, seq)
 
     def schedule(self) -> ScheduleOutput:
         budget = self.prefill_chunk

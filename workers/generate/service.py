@@ -60,6 +60,12 @@ class GenerateWorkerConfig:
         the worker's priority queue (the engine itself runs its queue in arrival order)."""
         return self.max_batch + max(1, self.max_batch // 4)
 
+    @property
+    def bulk_limit(self) -> int:
+        """Bulk requests in the engine at most: 1/16 of the rows (at least one) stay free for
+        interactive requests (docs/design.md §4, "Scheduling")."""
+        return max(1, self.max_batch - max(1, self.max_batch // 16))
+
 
 def engine_options(config: GenerateWorkerConfig) -> dict:
     """make_engine(options): the same engine whether it is built here or in the child."""
@@ -137,7 +143,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
         outputs.handler = GenerateHandler(settings, publisher, offsets, outputs.engine,
                                           max_running=config.engine_slots, policy=config.policy,
                                           reply_rule=rule,
-                                          waiting=WaitingQueue(config.queue_requests, config.queue_tokens))
+                                          waiting=WaitingQueue(config.queue_requests, config.queue_tokens),
+                                          bulk_limit=config.bulk_limit)
         return outputs.handler
 
     def on_cancel(message) -> None:

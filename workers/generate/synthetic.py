@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from schemas.records import GenerateLogProb, GenerateLogProbsContent, GenerateRequest
 from schemas.validation import DEFAULT_MAX_LOGPROBS
+from workers.generate.admission import queue_by_priority
 from workers.generate.inbox import Inbox
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
@@ -138,8 +139,9 @@ class SyntheticEngine:
                 request = item[1]
                 room = self.max_model_len - len(request.prompt_token_ids)
                 max_tokens = request.sampling.max_tokens
-                self._waiting.append(_Running(request, room if max_tokens is None else min(max_tokens, room),
-                                              stop_ids=frozenset(request.sampling.stop_token_ids)))
+                queue_by_priority(self._waiting, _Running(
+                    request, room if max_tokens is None else min(max_tokens, room),
+                    stop_ids=frozenset(request.sampling.stop_token_ids)))
             else:
                 _, rid, reason = item
                 state = self._running.pop(rid, None) or self._take_waiting(rid)

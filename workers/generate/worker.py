@@ -39,7 +39,8 @@ class GenerateHandler(Handler):
 
     def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
                  engine_thread, *, max_running: int, policy: ChunkPolicy | None = None,
-                 reply_rule: ReplyTopicRule | None = None, waiting: WaitingQueue | None = None):
+                 reply_rule: ReplyTopicRule | None = None, waiting: WaitingQueue | None = None,
+                 bulk_limit: int | None = None):
         self.settings = settings
         self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.publisher = publisher
@@ -51,6 +52,11 @@ class GenerateHandler(Handler):
         self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
         self.waiting: WaitingQueue[InFlight] = waiting or WaitingQueue()  # read, not yet admitted
         self.bulk_topic = settings.topic("requests.bulk")
+        # Bulk requests in the engine, at most `bulk_limit`: the rows left over stay free for
+        # interactive requests, which then start at the next step instead of waiting for
+        # a bulk request to end (the engine does not preempt).
+        self.bulk_limit = bulk_limit if bulk_limit is not None else max_running
+        self.bulk_running = 0
         self.finished_ahead: dict[TopicPartition, FinishedAhead] = {}  # from the previous owner's commit
         # Taking a chunk (which numbers it) and handing it to the producer happen under
         # one lock, so a partition receives every request's chunks in seq order.
@@ -118,9 +124,10 @@ class GenerateHandler(Handler):
         the finals of requests the engine refused (published by the caller)."""
         refused = []
         while len(self.inflight) < self.max_running:
-            state = self.waiting.pop()
-            if state is None:
+            tier = self.waiting.peek_tier()
+            if tier is None or (tier == 1 and self.bulk_running >= self.bulk_limit):
                 break
+            state = self.waiting.pop()
             try:
                 self.engine.add(state.request)
             except ValidationError as exc:  # e.g. the id is still ending in the engine
@@ -129,6 +136,7 @@ class GenerateHandler(Handler):
                 refused.append((state, Final("error", ChunkError(message=str(exc)))))
                 continue
             self.inflight[state.request.request_id] = state
+            self.bulk_running += state.tp.topic == self.bulk_topic
             self._idle.clear()
         series(IN_FLIGHT, W).set(len(self.inflight))
         series(WAITING, W).set(len(self.waiting))
@@ -171,7 +179,7 @@ class GenerateHandler(Handler):
             if out.finish_reason is not None:
                 finals.append((state, out))
         for state, _ in finals:
-            del self.inflight[state.request.request_id]
+            self._leave(state)
         ended = [(state, Final(out.finish_reason, stop_token_id=out.stop_token_id)) for state, out in finals]
         if not self._draining:
             ended += self._admit()  # the freed slots, at once
@@ -273,6 +281,14 @@ class GenerateHandler(Handler):
 
     # --- rebalance, shutdown ------------------------------------------------------------
 
+    async def on_revoked(self, partitions) -> None:
+        """Before the loop commits the revoked partitions: let the finals already handed to
+        the producer be acknowledged (releasing their offsets), so that a partition that
+        moves is not re-run past work that had in fact finished. Running requests go on:
+        `on_lost` stops those whose partitions do not come back."""
+        await asyncio.gather(*self._publishing)
+        await self.publisher.flush()
+
     async def on_assigned(self, partitions, committed) -> None:
         for tp in partitions:
             done = committed.get(tp)
@@ -295,11 +311,15 @@ class GenerateHandler(Handler):
         if not self.inflight:
             self._idle.set()
 
+    def _leave(self, state: InFlight) -> None:
+        del self.inflight[state.request.request_id]
+        self.bulk_running -= state.tp.topic == self.bulk_topic
+
     def _stop_running(self, state: InFlight) -> None:
         """Take a running request out of the worker and the engine; nothing more of it is
         published (the engine's abort output finds no state)."""
         state.closed = True
-        del self.inflight[state.request.request_id]
+        self._leave(state)
         self.engine.abort(state.request.request_id, "abort")
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:

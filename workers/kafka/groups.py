@@ -27,19 +27,26 @@ if getattr(_protocol, "DescribeGroupsResponse_v3", None) is not None and \
 async def group_members(settings: KafkaSettings, group_ids: list[str], timeout_s: float = 10.0) -> dict[str, int]:
     """Live members of each group (0 for a group that is empty or does not exist).
     Raises KafkaError / asyncio.TimeoutError when the broker cannot say."""
+    return {g: n for g, (_, n) in (await group_states(settings, group_ids, timeout_s)).items()}
+
+
+async def group_states(settings: KafkaSettings, group_ids: list[str],
+                       timeout_s: float = 10.0) -> dict[str, tuple[str, int]]:
+    """(state, live members) of each group: state "Stable" once a rebalance is over
+    ("Dead" / "Empty" with 0 members for a group with none)."""
     admin = make_admin(settings.with_client_id(f"{settings.client_id}-groups"))
     await asyncio.wait_for(admin.start(), timeout_s)
     try:
         responses = await asyncio.wait_for(admin.describe_consumer_groups(group_ids), timeout_s)
     finally:
         await admin.close()
-    members = {group_id: 0 for group_id in group_ids}
+    states = {group_id: ("Dead", 0) for group_id in group_ids}
     for response in responses:
         for group in response.groups:
-            error_code, group_id, _state, _protocol_type, _assignor, group_members_ = group[:6]
-            if error_code == 0 and group_id in members:
-                members[group_id] = len(group_members_)
-    return members
+            error_code, group_id, state, _protocol_type, _assignor, group_members_ = group[:6]
+            if error_code == 0 and group_id in states:
+                states[group_id] = (state, len(group_members_))
+    return states
 
 
 async def missing_workers(settings: KafkaSettings) -> list[str]:
