@@ -115,7 +115,7 @@ class HoldUntilFinal(ChunkPolicy):
     where tokens pile up in a lagging worker too (steps keep coming while a publish is
     under way), but here it happens every time rather than when the machine is slow."""
 
-    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
+    def should_flush(self, pending: int, waited_s: float, in_flight: int, interval_s: float = 0.0) -> bool:
         return False
 
 

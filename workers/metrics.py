@@ -31,7 +31,9 @@ BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["wo
 CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])
 TTFT = Histogram("genpipe_time_to_first_token_seconds", "Request read to first token sampled", ["worker"],
                  buckets=_LATENCY_BUCKETS)
-INTER_TOKEN = Histogram("genpipe_inter_token_latency_seconds", "Between a request's consecutive tokens",
+INTER_TOKEN = Histogram("genpipe_inter_token_latency_seconds",
+                        "Between a request's consecutive tokens (generate: the longest gap of each engine "
+                        "step, observed once per step)",
                         ["worker"], buckets=_LATENCY_BUCKETS)
 STEP_TIME = Histogram("genpipe_step_time_seconds", "One engine step (prefill and decode)", ["worker"],
                       buckets=_LATENCY_BUCKETS)

@@ -86,7 +86,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         engine=args.engine, synthetic_step_s=args.step_ms / 1000,
         reply_topic_pattern=args.reply_topic_pattern, queue_requests=args.queue_requests,
         queue_tokens=args.queue_tokens, group_instance_id=args.group_instance_id or None, assignor=args.assignor,
-        policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000))
+        policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000,
+                           max_records_per_s=args.max_chunk_rate))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
 
@@ -195,7 +196,15 @@ def register(sub) -> None:
                      help="at most this many tokens per chunk; tokens that piled up while the producer "
                           "lagged are cut into chunks of this size (default %(default)s)")
     gen.add_argument("--coalesce-max-delay-ms", type=at_least(0.0, float), default=20.0,
-                     help="when the producer lags, hold a token at most this long (default %(default)s ms)")
+                     help="when coalescing, hold a token at most this long (default %(default)s ms)")
+    gen.add_argument("--max-chunk-rate", type=at_least(0.0, float),
+                     default=os.environ.get("GENPIPE_MAX_CHUNK_RATE", "10000"),
+                     help="chunk records per second this worker aims to stay under (env "
+                          "GENPIPE_MAX_CHUNK_RATE; default %(default)s; 0 = one chunk per step always). "
+                          "Each request then publishes at most every running/rate seconds (capped by "
+                          "--coalesce-max-delay-ms): a small batch still publishes every step, a large "
+                          "one coalesces tokens, which every record downstream (derender, results) pays "
+                          "for once rather than per token")
     _common(gen)
     gen.set_defaults(func=_run_generate)
 

@@ -12,6 +12,11 @@ mean sizes; how old a result record is when read here (its timestamp -> read), p
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5] [--no-stream]
+        [--reference REV]
+
+--reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
+same load right before each contender run, and prints the ratio of each stage's CPU per
+token: what the changes since REV bought, measured in one run.
 """
 
 from __future__ import annotations
@@ -67,16 +72,30 @@ def engine_alone(step_ms: float, max_batch: int, requests: int, max_tokens: int)
     return produced / (time.perf_counter() - start)
 
 
-def start_workers(settings: KafkaSettings, args, log_dir: Path) -> dict[str, subprocess.Popen]:
+def worktree(rev: str) -> Path:
+    """A checkout of `rev` under /tmp (made once), to run the reference workers from."""
+    root = Path(__file__).resolve().parents[2]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    path = Path(tempfile.gettempdir()) / f"genpipe-ref-{sha}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(path), sha], check=True,
+                       capture_output=True)
+    return path
+
+
+def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | None = None) -> dict[str, subprocess.Popen]:
+    """The generate and derender workers, from this checkout or from `code` (a worktree)."""
     common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
               "--log-level", "WARNING"]
+    env = dict(os.environ, PYTHONPATH=str(code)) if code is not None else None
     procs = {}
     for name, extra in (("generate", ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms),
                                       "--max-batch", str(args.max_batch)]),
                         ("derender", ["derender-worker"])):
         log = open(log_dir / f"{name}.log", "wb")
         procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=code, env=env)
     return procs
 
 
@@ -132,6 +151,44 @@ async def chunk_stats(settings: KafkaSettings) -> tuple[int, int]:
     return len(records), sum(len(r.value) for r in records)
 
 
+def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
+    """One run of the workers (this checkout, or `code`) on a fresh topic prefix."""
+    from workers.broker.topics import create_topics
+
+    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
+    asyncio.run(create_topics(settings, partitions=8))
+    procs = start_workers(settings, args, log_dir, code)
+    try:
+        deadline = time.monotonic() + 120
+        while not children(procs["generate"].pid):
+            time.sleep(0.2)  # polling for the engine child to exist; readiness is the warm-up below
+            if time.monotonic() > deadline:
+                raise RuntimeError("the generate worker's engine child did not start")
+        asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
+        engine_pid = children(procs["generate"].pid)[0]
+        pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        run = asyncio.run(run_load(settings, args, k))
+        after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(60)
+    tokens = run["tokens"]
+    return {**run, "per": {name: (after[name] - before[name]) / tokens * 1e6 for name in before},
+            "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes}
+
+
+def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
+    per, rate = row["per"], row["rate"]
+    print(f"{code:<9} {k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
+          f"{per['engine']:>13.1f} {per['der']:>15.1f} {row['chunks']:>8} "
+          f"{row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {row['results']:>8} "
+          f"{row['result_bytes'] / max(row['results'], 1):>8.0f} {row['p50'] * 1000:>6.0f}ms {row['p99'] * 1000:>6.0f}ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
@@ -141,47 +198,27 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, one run each")
     parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
     args = parser.parse_args()
-
-    from workers.broker.topics import create_topics
 
     offered = engine_alone(args.step_ms, args.max_batch, args.requests, args.max_tokens)
     print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
           f"{args.requests} requests x {args.max_tokens} tokens)")
-    print(f"{'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
+    print(f"{'code':<9} {'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
           f"{'derender us/tok':>15} {'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} "
           f"{'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
+    reference = worktree(args.reference) if args.reference else None
     for k in args.k:
-        settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
-        asyncio.run(create_topics(settings, partitions=8))
-        procs = start_workers(settings, args, log_dir)
-        try:
-            deadline = time.monotonic() + 120
-            while not children(procs["generate"].pid):
-                time.sleep(0.2)  # polling for the engine child to exist; readiness is the warm-up below
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the generate worker's engine child did not start")
-            asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
-            engine_pid = children(procs["generate"].pid)[0]
-            before = {"gen": cpu_seconds(procs["generate"].pid), "engine": cpu_seconds(engine_pid),
-                      "der": cpu_seconds(procs["derender"].pid)}
-            run = asyncio.run(run_load(settings, args, k))
-            after = {"gen": cpu_seconds(procs["generate"].pid), "engine": cpu_seconds(engine_pid),
-                     "der": cpu_seconds(procs["derender"].pid)}
-            chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
-        finally:
-            for proc in procs.values():
-                os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs.values():
-                proc.wait(60)
-        tokens = run["tokens"]
-        per = {name: (after[name] - before[name]) / tokens * 1e6 for name in before}
-        rate = tokens / run["elapsed"]
-        print(f"{k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
-              f"{per['engine']:>13.1f} {per['der']:>15.1f} {chunks:>8} {chunk_bytes / max(chunks, 1):>8.0f} "
-              f"{run['results']:>8} {run['result_bytes'] / max(run['results'], 1):>8.0f} "
-              f"{run['p50'] * 1000:>6.0f}ms {run['p99'] * 1000:>6.0f}ms")
+        if reference is not None:
+            before = measure(args, k, log_dir, reference)
+            print_row(f"{args.reference[:9]}", k, args, before, offered)
+        row = measure(args, k, log_dir, None)
+        print_row("this", k, args, row, offered)
+        if reference is not None:
+            print("    CPU per token, reference / this: " + ", ".join(
+                f"{name} {before['per'][name] / max(row['per'][name], 1e-9):.2f}x"
+                for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x")
     print(f"(worker logs: {log_dir}; chunk counts include the warm-up's 8 requests)")
 
 

@@ -13,6 +13,7 @@ partition order, publishes its outputs, and keeps the commits honest:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Callable
@@ -92,6 +93,13 @@ class DerenderHandler(Handler):
         self.cancel_topic = settings.topic("cancel")
         # open request -> its partition and the release of its first chunk's offset
         self.request_start: dict[str, tuple[TopicPartition, Release]] = {}
+        # Results of handled chunks not yet handed to the producer: (records, partition,
+        # chunk offset, request_id if the chunk finished its request); see _publish_pending.
+        self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
+        self._pending_records = 0
+        # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
+        self._chunks, self._tokens, self._results = series(CHUNKS, W), series(TOKENS, W), series(RESULTS, W)
+        self._latency, self._in_flight = series(DERENDER_LATENCY, W), series(IN_FLIGHT, W)
         self.published: dict[TopicPartition, OffsetTracker] = {}  # records whose results are acked
         self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
 
@@ -108,8 +116,8 @@ class DerenderHandler(Handler):
                 future = await self.publisher.to_dlq(message, str(exc))
                 future.add_done_callback(lambda f: release())
             return
-        series(CHUNKS, W).inc()
-        series(TOKENS, W).inc(len(chunk.token_ids))
+        self._chunks.inc()
+        self._tokens.inc(len(chunk.token_ids))
         rid = chunk.request_id
         records = self._records(await self._reply_topics_checked(self.derenderer.process(chunk)), tp)
         if rid not in self.request_start and self.derenderer.is_active(rid):
@@ -121,25 +129,48 @@ class DerenderHandler(Handler):
             if finished:
                 self._finish(rid, None)
             return
-        futures = []
         if records:
             published.hold(message.offset)
-        for record in records:
-            if not isinstance(record.value, Cancel):
-                series(RESULTS, W).inc()
-                if isinstance(record.value, ErrorResponse):
-                    series(ERRORS, W).inc()
-            futures.append(await self._publish(record, tp))
-        if records and chunk.sampled_at_ns:
-            series(DERENDER_LATENCY, W).observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
-        # Released once every record of this chunk is acknowledged: a result and a cancel
-        # go to different topics, and the cancel's ack says nothing of the result's.
-        acked = None if not futures else futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-        if acked is not None:
-            acked.add_done_callback(lambda f: self._acked(tp, message.offset, f))
-        if finished:
-            self._finish(rid, acked)
-        series(IN_FLIGHT, W).set(len(self.request_start))
+            for record in records:
+                if not isinstance(record.value, Cancel):
+                    self._results.inc()
+                    if isinstance(record.value, ErrorResponse):
+                        series(ERRORS, W).inc()
+            if chunk.sampled_at_ns:
+                self._latency.observe(max(0.0, time.time() - chunk.sampled_at_ns / 1e9))
+            self._pending.append((records, tp, message.offset, rid if finished else None))
+            self._pending_records += len(records)
+            if self._pending_records >= 500:
+                await self._publish_pending()
+        elif finished:  # after the results of its earlier chunks, if they still wait here
+            self._pending.append(([], tp, message.offset, rid))
+
+    async def _publish_pending(self) -> None:
+        """Publish the results of the chunks handled since the last call, those for the
+        default results topic as one producer batch per partition (many single sends cost
+        several times more: BENCHMARKS.md, "Throughput"); reply-topic records and cancels
+        one by one, as they may fail on their own. Called every loop turn (tick), before
+        a revoke and at shutdown, and when 500 records wait."""
+        pending, self._pending, self._pending_records = self._pending, [], 0
+        if not pending:
+            return
+        batch = [r for records, tp, _, _ in pending for r in records
+                 if r.topic == self.results_topic and r.partition is not None]
+        batch_futures = iter(await self.publisher.publish_batch(batch) if batch else ())
+        for records, tp, offset, finished_rid in pending:
+            futures = [next(batch_futures) if r.topic == self.results_topic and r.partition is not None
+                       else await self._publish(r, tp) for r in records]
+            # Released once every record of this chunk is acknowledged: a result and a cancel
+            # go to different topics, and the cancel's ack says nothing of the result's.
+            acked = None if not futures else futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+            if acked is not None:
+                acked.add_done_callback(functools.partial(self._acked, tp, offset))
+            if finished_rid is not None and finished_rid in self.request_start:
+                self._finish(finished_rid, acked)
+        self._in_flight.set(len(self.request_start))
+
+    async def tick(self) -> None:
+        await self._publish_pending()
 
     async def _reply_topics_checked(self, outputs: list[Output]) -> list[Output]:
         """Results whose reply topic breaks the deployment's rule, or does not exist, become
@@ -223,6 +254,7 @@ class DerenderHandler(Handler):
                          tp.partition, self.publish_from[tp])
 
     async def on_revoked(self, partitions) -> None:
+        await self._publish_pending()  # finished work goes out before the loop commits
         revoked = set(partitions)
         dropped = [rid for rid, (tp, _) in self.request_start.items() if tp in revoked]
         self.derenderer.forget(dropped)
@@ -235,4 +267,5 @@ class DerenderHandler(Handler):
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
 
     async def drain(self, deadline: float) -> None:
+        await self._publish_pending()
         await self.publisher.flush()

@@ -22,16 +22,34 @@ W = "generate"  # metrics label
 
 @dataclass
 class ChunkPolicy:
-    """When to publish a request's pending tokens (docs/design.md §4 coalescing)."""
+    """When to publish a request's pending tokens (docs/design.md §4 coalescing).
+
+    Every chunk record costs the same downstream whatever it holds (a result record, a
+    producer send, ~60 µs of derender CPU: BENCHMARKS.md "Throughput"), so at high rates
+    tokens are coalesced: each request publishes at most every `interval(running)`
+    seconds, which keeps a worker near `max_records_per_s` chunk records per second
+    whatever its batch (a batch of 16 is below it and publishes every step; a batch of
+    256 at 2 ms steps publishes every ~26 ms, capped by `max_delay_s`). Independently, a
+    producer with more than `lag_threshold` unacknowledged records coalesces as much as
+    `max_tokens` / `max_delay_s` allow."""
 
     lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
     max_tokens: int = 16  # at most this many tokens per chunk while coalescing
     max_delay_s: float = 0.02  # never hold a token longer than this
+    max_records_per_s: float = 10_000.0  # the chunk rate a worker aims to stay under (0: no aim)
 
-    def should_flush(self, pending: int, waited_s: float, in_flight: int) -> bool:
+    def interval(self, running: int) -> float:
+        """The shortest time between two chunks of one request with `running` requests."""
+        if self.max_records_per_s <= 0:
+            return 0.0
+        return min(self.max_delay_s, running / self.max_records_per_s)
+
+    def should_flush(self, pending: int, waited_s: float, in_flight: int, interval_s: float = 0.0) -> bool:
         if pending == 0:
             return False
-        return in_flight < self.lag_threshold or pending >= self.max_tokens or waited_s >= self.max_delay_s
+        if pending >= self.max_tokens or waited_s >= self.max_delay_s:
+            return True
+        return in_flight < self.lag_threshold and waited_s >= interval_s
 
 
 @dataclass

@@ -32,11 +32,16 @@ from schemas.errors import ValidationError
 from schemas.records import GenerateRequest
 from schemas.validation import validate_request
 from workers.generate.engine_thread import Deliver, EngineThread, engine_limits
+from workers.generate.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-# --- the messages on the pipe (pickled; tagged, so each says what it is) ---------------
+# --- the messages on the pipe (msgspec msgpack; tagged, so each says what it is) -------
+#
+# Not pickle: a step of a batch-256 engine is 256 RequestOutputs, and pickling msgspec
+# structs cost ~5.7 µs per output (encode + decode) where msgspec's own codec costs ~0.9
+# (BENCHMARKS.md, "Throughput": the engine child's CPU per token).
 
 class Add(msgspec.Struct, tag=True):
     request: GenerateRequest
@@ -56,12 +61,17 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Step(msgspec.Struct, tag=True):
-    outputs: list  # the engine's RequestOutputs of one step
+    outputs: list[RequestOutput]  # the engine's outputs of one step
     step_s: float
 
 
 class Failed(msgspec.Struct, tag=True):
     error: str
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_to_child = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
+_decode_from_child = msgspec.msgpack.Decoder(Ready | Step | Failed).decode
 
 
 class EngineProcess:
@@ -93,7 +103,7 @@ class EngineProcess:
             self._process.kill()
             raise RuntimeError(f"the engine process did not load its model within {self.start_timeout_s:.0f} s")
         try:
-            message = self._conn.recv()
+            message = _decode_from_child(self._conn.recv_bytes())
         except EOFError:
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})") from None
@@ -134,7 +144,7 @@ class EngineProcess:
     def _send(self, message: Add | Abort | Stop) -> None:
         try:
             with self._send_lock:  # the loop and stop() may both send
-                self._conn.send(message)
+                self._conn.send_bytes(_encode(message))
         except (OSError, ValueError) as exc:  # broken pipe / closed: the child is gone
             raise RuntimeError(f"the engine process is gone: {exc}") from exc
 
@@ -142,7 +152,7 @@ class EngineProcess:
         """Reader thread: hand every step to `deliver`; notice the child failing or dying."""
         while True:
             try:
-                message = self._conn.recv()
+                message = _decode_from_child(self._conn.recv_bytes())
             except (EOFError, OSError):
                 if not self._stopping:
                     self._process.join(5)  # reap it, so the exit code is known (EOF can come first)
@@ -186,21 +196,21 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     try:
         engine = make_engine(engine_options)
     except BaseException as exc:
-        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(_encode(Failed(f"{type(exc).__name__}: {exc}")))
         return
-    conn.send(Ready(engine_limits(engine)))
+    conn.send_bytes(_encode(Ready(engine_limits(engine))))
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
-            conn.send(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
+            conn.send_bytes(_encode(Failed(f"{type(thread.failure).__name__}: {thread.failure}")))
         elif outputs:
-            conn.send(Step(outputs, step_s))
+            conn.send_bytes(_encode(Step(outputs, step_s)))
 
     thread = EngineThread(engine, deliver, min_step_s=min_step_s)
     thread.start()
     try:
         while thread.failure is None:
-            message = conn.recv()
+            message = _decode_to_child(conn.recv_bytes())
             if isinstance(message, Add):
                 try:
                     thread.add(message.request)

@@ -1,8 +1,9 @@
 """What an engine step produces: plain data, no torch.
 
-The engine child process pickles these to the worker; keeping the class out of the
-torch-importing engine module lets the worker process unpickle them without loading
-torch (~0.5 GB resident for the CUDA build, BENCHMARKS.md "Soak")."""
+The engine child process sends these to the worker (msgspec msgpack, as arrays:
+workers/generate/engine_process.py); keeping the class out of the torch-importing engine
+module lets the worker process decode them without loading torch (~0.5 GB resident for
+the CUDA build, BENCHMARKS.md "Soak")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from schemas.records import FinishReason, GenerateLogProbsContent
 from workers.generate.logprob_entries import RowLogprobs
 
 
-class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     """What one step produced for one request."""
 
     request_id: str

@@ -19,10 +19,11 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from schemas.records import GenerateLogProb, GenerateLogProbsContent, GenerateRequest
+from schemas.records import GenerateRequest
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.generate.admission import queue_by_priority
 from workers.generate.inbox import Inbox
+from workers.generate.logprob_entries import RowLogprobs
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
 
@@ -35,19 +36,12 @@ def synthetic_token(request_id: str, index: int, vocab_size: int) -> int:
     return FIRST_ORDINARY_ID + (zlib.crc32(request_id.encode()) + 7919 * index) % span
 
 
-class _Row:
-    """One position's logprobs in the engine's row form (`.content()` is the wire form)."""
-
-    __slots__ = ("token_id", "k", "vocab_size")
-
-    def __init__(self, token_id: int, k: int, vocab_size: int):
-        self.token_id, self.k, self.vocab_size = token_id, k, vocab_size
-
-    def content(self) -> GenerateLogProbsContent:
-        others = [(self.token_id + j) % self.vocab_size for j in range(1, self.k)]
-        tops = [GenerateLogProb(self.token_id, -0.5, 1)] + [GenerateLogProb(t, -0.5 - j, j + 1)
-                                                             for j, t in enumerate(others, 1)]
-        return GenerateLogProbsContent(token_id=self.token_id, logprob=-0.5, rank=1, top_logprobs=tops)
+def synthetic_row(token_id: int, k: int, vocab_size: int) -> RowLogprobs:
+    """One position's logprobs in the real engine's row form (`.content()` is the wire
+    form): the token at rank 1, then k-1 neighbours, so the worker pays what it pays for
+    a model's logprobs."""
+    others = [(token_id + j) % vocab_size for j in range(1, k)]
+    return RowLogprobs(token_id, 1, -0.5, [token_id, *others], [-0.5 - j for j in range(k)])
 
 
 @dataclass
@@ -119,14 +113,14 @@ class SyntheticEngine:
             elif token in state.stop_ids and state.produced >= p.min_tokens:
                 finish, stop_id = "stop", token
             k = p.logprobs
-            rows = None if k is None else [_Row(token, self.vocab_size if k == -1 else max(k, 1), self.vocab_size)]
+            rows = None if k is None else [synthetic_row(token, self.vocab_size if k == -1 else max(k, 1), self.vocab_size)]
             out = RequestOutput(request_id=rid, token_ids=[token], logprobs=rows, finish_reason=finish,
                                 stop_token_id=stop_id, num_prompt_tokens=len(state.request.prompt_token_ids),
                                 num_output_tokens=state.produced, sampled_at_ns=now_ns)
             if state.first:
                 state.first = False
                 if p.prompt_logprobs is not None:
-                    out.prompt_logprobs = [None] + [_Row(t, max(p.prompt_logprobs, 1), self.vocab_size).content()
+                    out.prompt_logprobs = [None] + [synthetic_row(t, max(p.prompt_logprobs, 1), self.vocab_size).content()
                                                     for t in state.request.prompt_token_ids[1:]]
             outputs.append(out)
             if finish is not None:
