@@ -55,8 +55,9 @@ async def start_worker(settings, loaded_engine, **config):
     """A generate worker on `loaded_engine` (None: built from `config`, as a worker does)."""
     stop = asyncio.Event()
     ready = asyncio.Event()
+    config.setdefault("group_id", f"{settings.topic_prefix}-gen")
     task = asyncio.ensure_future(run_generate_worker(
-        settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-gen", **config),
+        settings, GenerateWorkerConfig(**config),
         engine=loaded_engine, stop=stop, on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), 60)
     return stop, task

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "workers.derender.commands",
     "workers.client_commands",
     "workers.derender.replay",
+    "workers.gateway.commands",
     "schemas.commands",
 ]
 

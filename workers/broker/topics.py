@@ -106,6 +106,33 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
     return report
 
 
+async def ensure_topic(settings: KafkaSettings, name: str, like: str, timeout: float = 30) -> None:
+    """Create `name` if missing, with the partition count of the topic `like` (a reply
+    topic shares the results topic's count, so results keep their partition number)
+    and the replication `create_topics` would choose."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    admin = AIOKafkaAdminClient(**settings.with_client_id(f"{settings.client_id}-admin").client_kwargs(),
+                                request_timeout_ms=int(timeout * 1000))
+    await admin.start()
+    try:
+        if name not in set(await admin.list_topics()):
+            described = await admin.describe_topics([like])
+            partitions = len(described[0]["partitions"]) if described and described[0]["partitions"] else 1
+            replicas = min(3, len((await admin.describe_cluster())["brokers"]) or 1)
+            configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
+            response = await admin.create_topics([NewTopic(name, partitions, replicas, topic_configs=configs)],
+                                                 timeout_ms=int(timeout * 1000))
+            for topic, code, *rest in response.topic_errors:
+                error = for_code(code) if code else None
+                if error is not None and error is not TopicAlreadyExistsError:
+                    raise TopicsError(f"could not create {topic}: {error.__name__}")
+        await _wait_for_leaders(admin, [name], timeout)
+    finally:
+        await admin.close()
+
+
 async def _grow(admin, settings: KafkaSettings, existing: list[str], partitions: int, timeout: float,
                 report: TopicsReport) -> None:
     from aiokafka.admin import NewPartitions

@@ -1,0 +1,186 @@
+"""`genpipe serve` (workers/gateway): the body rules (pure), then real HTTP over a real
+broker with real generate (synthetic engine) and derender workers and the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import httpx
+import pytest
+
+from tests.test_generate_worker import start_worker
+from workers.gateway.params import BadParameter, parse
+
+
+# --- the body rules ---------------------------------------------------------------------------
+
+def test_a_completion_body_maps_onto_a_request():
+    p = parse({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stop": "x", "logprobs": 2,
+               "seed": 7, "priority": -1, "user": "ignored", "unknown_field": 1}, "completion", "m")
+    assert p.prompt == [5, 6, 7] and not p.stream
+    assert {"max_tokens": 3, "temperature": 0.0, "stop": ["x"], "logprobs": 2, "seed": 7,
+            "priority": -1}.items() <= p.options.items()
+
+
+def test_a_chat_body_maps_onto_a_request():
+    p = parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+               "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 3, "stream": True,
+               "stream_options": {"include_usage": True}}, "chat", "m")
+    assert p.messages == [{"role": "user", "content": "hi"}]
+    assert p.options["max_tokens"] == 4 and p.options["top_logprobs"] == 3 and p.options["include_usage"]
+
+
+@pytest.mark.parametrize("body, kind, param, status", [
+    ({"model": "other", "prompt": "x"}, "completion", "model", 404),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "completion", "logit_bias", 400),
+    ({"prompt": "x", "best_of": 3}, "completion", "best_of", 400),
+    ({"prompt": "x", "n": 2}, "completion", "n", 400),
+    ({"prompt": "x", "suffix": "y"}, "completion", "suffix", 400),
+    ({"prompt": ["a", "b"]}, "completion", "prompt", 400),
+    ({"prompt": []}, "completion", "prompt", 400),
+    ({"prompt": "x", "max_tokens": -1}, "completion", "max_tokens", 400),
+    ({"prompt": "x", "temperature": "hot"}, "completion", "temperature", 400),
+    ({"prompt": "x", "top_p": 0}, "completion", "top_p", 400),
+    ({"prompt": "x", "logprobs": 21}, "completion", "logprobs", 400),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "completion", "stream_options", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "chat", "top_logprobs", 400),
+    ({"messages": [{"content": "x"}]}, "chat", "messages[0]", 400),
+    ({"messages": []}, "chat", "messages", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "chat", "tools", 400),
+    ([1, 2], "chat", "body", 400),
+])
+def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
+    with pytest.raises(BadParameter) as err:
+        parse(body, kind, "genpipe-tiny" if "model" not in body else "m")
+    assert err.value.param == param and err.value.status == status
+    assert param.split("[")[0].split(".")[0] in str(err.value) or param == "body"
+
+
+# --- real HTTP --------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def running_stack(settings, tiny_model_dir):
+    import uvicorn
+
+    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+    from workers.gateway.app import Gateway, GatewayConfig
+
+    gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
+                                            synthetic_step_s=0.005, max_batch=8,
+                                            group_id=f"{settings.topic_prefix}-generate")  # /health looks for it
+    der_stop, der_ready = asyncio.Event(), asyncio.Event()
+    der_task = asyncio.ensure_future(run_derender_worker(
+        settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{settings.topic_prefix}-derender"),
+        stop=der_stop, on_ready=der_ready.set))
+    await asyncio.wait_for(der_ready.wait(), 60)
+    port = _free_port()
+    gateway = Gateway(settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny", gateway_id="t1"))
+    server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while not server.started:
+            assert asyncio.get_running_loop().time() < deadline, "the gateway did not start"
+            assert not serving.done(), serving.exception() if serving.done() else None
+            await asyncio.sleep(0.05)  # polling uvicorn's started flag (no event to wait on)
+        yield f"http://127.0.0.1:{port}", gateway
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+        gen_stop.set()
+        der_stop.set()
+        assert await asyncio.wait_for(gen_task, 60) == 0
+        assert await asyncio.wait_for(der_task, 60) == 0
+
+
+@pytest.mark.kafka
+async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, make_topics, tiny_model_dir):
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir) as (base, gateway):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time",
+                                                         "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 5
+            assert len(body["choices"][0]["logprobs"]["tokens"]) == 5
+            assert body["choices"][0]["finish_reason"] == "length"
+
+            events = []
+            async with http.stream("POST", "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as s:
+                assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+                async for line in s.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
+            assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+            bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}})
+            assert bad.status_code == 400
+            assert bad.json()["error"] == {"message": "logit_bias is not supported by genpipe",
+                                           "type": "invalid_request_error", "param": "logit_bias", "code": 400}
+            assert (await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})).status_code == 404
+            assert (await http.post("/v1/completions", content=b"{not json")).status_code == 400
+            models = (await http.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["tiny"]
+            health = await http.get("/health")
+            assert health.status_code == 200, health.text
+        assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
+async def test_the_openai_sdk_works_against_the_gateway(kafka_settings, make_topics, tiny_model_dir):
+    import openai
+
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir) as (base, _):
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+        done = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=4, extra_body={"ignore_eos": True})
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+        text = []
+        stream = await client.completions.create(model="tiny", prompt="Once", max_tokens=4, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for part in stream:
+            text.append(part.choices[0].text)
+        assert "".join(text) and len(text) >= 1
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nope", prompt="x", max_tokens=1)
+        await client.close()
+
+
+@pytest.mark.kafka
+async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_topics, tiny_model_dir):
+    from schemas import Cancel
+    from tests.kafka_helpers import read_topic
+    from workers.kafka.records import decode_message
+
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir) as (base, gateway):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # one event, then hang up
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30,
+                                   until=lambda records: len(records) >= 1)
+        assert "HTTP" in decode_message(cancels[0], Cancel).reason
+        deadline = asyncio.get_running_loop().time() + 30
+        while gateway.in_flight:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)  # polling a counter the response task decrements

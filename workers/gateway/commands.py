@@ -1,0 +1,80 @@
+"""`genpipe serve`: the OpenAI-compatible HTTP gateway (workers/gateway/app.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+
+from workers.cli_options import at_least
+from workers.kafka.settings import KafkaSettings
+
+
+def _gateway_id(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '.', '_' and '-' only (it names a topic)")
+    return text
+
+
+def _default_gateway_id() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "gw"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from workers.gateway.app import Gateway, GatewayConfig
+    from workers.models.tinymodel import default_model_dir
+    from workers.startup import check_tokenizer_dir
+
+    if args.tokenizer:
+        check_tokenizer_dir(args.tokenizer)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = KafkaSettings.from_args(args, client_id="genpipe-gateway")
+    gateway = Gateway(settings, GatewayConfig(
+        tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
+        gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
+        timeout_s=args.timeout))
+    uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+def register(sub) -> None:
+    from workers.cli_options import add_max_logprobs
+    from workers.derender.state import DEFAULT_MODEL_NAME
+
+    serve = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP gateway over the topics",
+        description="Serve POST /v1/completions and /v1/chat/completions (streamed as server-sent events "
+                    "or not), GET /v1/models, /health and /metrics. Each HTTP request becomes a "
+                    "GenerateRequest on <prefix>.requests; answers come from the results the derender "
+                    "workers publish to this gateway's reply topic <prefix>.reply.<gateway-id> (created on "
+                    "start). A client that disconnects cancels its request. Needs running generate and "
+                    "derender workers.")
+    serve.add_argument("--host", default=os.environ.get("GENPIPE_HOST", "127.0.0.1"),
+                       help="address to listen on (env GENPIPE_HOST; default %(default)s)")
+    serve.add_argument("--port", type=at_least(1), default=os.environ.get("GENPIPE_PORT", "8000"),
+                       help="port (env GENPIPE_PORT; default %(default)s)")
+    serve.add_argument("--tokenizer", default=os.environ.get("GENPIPE_TOKENIZER"),
+                       help="Hugging Face tokenizer directory of the served model: renders chat messages "
+                            "and text prompts (env GENPIPE_TOKENIZER; default: the built-in tiny model's)")
+    serve.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
+                       help="the `model` clients must name (others get 404; default %(default)s)")
+    serve.add_argument("--gateway-id", type=_gateway_id, default=os.environ.get("GENPIPE_GATEWAY_ID")
+                       or _default_gateway_id(),
+                       help="names this gateway's reply topic <prefix>.reply.<gateway-id> (env "
+                            "GENPIPE_GATEWAY_ID; default: the host name). Unique per gateway process")
+    serve.add_argument("--max-in-flight", type=at_least(1), default=1024,
+                       help="open requests at most; more get 429 (default %(default)s)")
+    serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
+                       help="seconds without a result before a request gets 504 (default %(default)s)")
+    serve.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
+                       help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")
+    add_max_logprobs(serve)
+    KafkaSettings.add_arguments(serve)
+    serve.set_defaults(func=_serve)

@@ -1,0 +1,180 @@
+"""An OpenAI request body → the arguments of `make_request` (docs/design.md §9): pure.
+
+Every field of the body is hostile until checked here: a wrong type or value, or a
+parameter genpipe does not implement, is a `BadParameter` that names it (the gateway
+answers 400 with OpenAI's error shape); unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Parameters with a meaning genpipe does not implement: refused by name rather than
+# silently ignored (a caller relying on them would get different output).
+UNSUPPORTED = {
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: bool(v),
+    "frequency_penalty": lambda v: bool(v),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "best_of": lambda v: v not in (None, 1),
+    "response_format": lambda v: v is not None and v != {"type": "text"},
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+}
+# Not yet in this gateway (issue #12 lists them): refused by name too.
+NOT_YET = {
+    "n": lambda v: v not in (None, 1),
+    "echo": lambda v: bool(v),
+    "prompt_logprobs": lambda v: v is not None,
+}
+
+
+class BadParameter(ValueError):
+    def __init__(self, param: str, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+@dataclass
+class Parsed:
+    kind: str  # "completion" | "chat"
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict] | None = None  # chat
+    stream: bool = False
+    options: dict[str, Any] = field(default_factory=dict)  # make_request keyword arguments
+
+
+def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Parsed:
+    """The body of POST /v1/completions (kind "completion") or /v1/chat/completions ("chat")."""
+    if not isinstance(body, dict):
+        raise BadParameter("body", "the request body must be a JSON object")
+    for name, used in {**UNSUPPORTED, **NOT_YET}.items():
+        if name in body and used(body[name]):
+            what = "is not supported by genpipe" if name in UNSUPPORTED else "is not supported by this gateway yet"
+            raise BadParameter(name, f"{name} {what}")
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise BadParameter("model", f"the model {str(model)[:200]!r} does not exist; this gateway serves "
+                                    f"{model_name!r}", status=404, kind="not_found_error")
+    parsed = Parsed(kind=kind, stream=_bool(body, "stream", False))
+    opts = parsed.options
+    opts["model"] = model_name
+    if kind == "completion":
+        parsed.prompt = _prompt(body.get("prompt"))
+    else:
+        parsed.messages = _messages(body.get("messages"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
+    param = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    opts["max_tokens"] = _int(max_tokens, param, 0, None) if max_tokens is not None else (16 if kind == "completion" else None)
+    opts["min_tokens"] = _int(body.get("min_tokens", 0), "min_tokens", 0, None)
+    opts["temperature"] = _float(body.get("temperature", 1.0), "temperature", 0.0, 2.0)
+    opts["top_p"] = _float(body.get("top_p", 1.0), "top_p", 0.0, 1.0, open_low=True)
+    opts["top_k"] = _int(body.get("top_k", 0) or 0, "top_k", -1, None)
+    opts["min_p"] = _float(body.get("min_p", 0.0), "min_p", 0.0, 1.0)
+    seed = body.get("seed")
+    opts["seed"] = None if seed is None else _int(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
+    opts["stop"] = _stop(body.get("stop"))
+    opts["stop_token_ids"] = _ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    opts["ignore_eos"] = _bool(body, "ignore_eos", False)
+    opts["include_stop_str_in_output"] = _bool(body, "include_stop_str_in_output", False)
+    opts["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
+    opts["priority"] = _int(body.get("priority", 0), "priority", -(2 ** 31), 2 ** 31 - 1)
+    if kind == "completion":
+        if body.get("logprobs") is not None:
+            opts["logprobs"] = _int(body["logprobs"], "logprobs", 0, max_logprobs)
+    else:
+        top = body.get("top_logprobs")
+        if top is not None and not _bool(body, "logprobs", False):
+            raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        if _bool(body, "logprobs", False):
+            opts["logprobs"] = True
+            opts["top_logprobs"] = _int(top, "top_logprobs", 0, max_logprobs) if top is not None else 0
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not parsed.stream:
+            raise BadParameter("stream_options", "stream_options needs stream: true")
+        if not isinstance(stream_options, dict):
+            raise BadParameter("stream_options", "stream_options must be an object")
+        opts["include_usage"] = _bool(stream_options, "include_usage", False, "stream_options.include_usage")
+        if _bool(stream_options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"):
+            raise BadParameter("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported "
+                                                                        "by this gateway yet")
+    opts["stream"] = parsed.stream
+    return parsed
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return _prompt(value[0])  # a list of one prompt
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise BadParameter("prompt", "several prompts in one request are not supported by this gateway yet")
+    raise BadParameter("prompt", "prompt must be a string or a non-empty list of token ids")
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadParameter("messages", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadParameter(f"messages[{i}]", f"messages[{i}] must be an object with a role")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadParameter(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadParameter(f"messages[{i}].content", f"messages[{i}].content must be a string")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
+        return list(value)
+    raise BadParameter("stop", "stop must be a string or a list of at most 16 strings")
+
+
+def _ids(value: Any, param: str) -> list[int]:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    raise BadParameter(param, f"{param} must be a list of integers")
+
+
+def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadParameter(param or name, f"{param or name} must be true or false")
+    return value
+
+
+def _int(value: Any, param: str, low: int | None, high: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadParameter(param, f"{param} must be an integer")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise BadParameter(param, f"{param} must be {bounds}, got {value}")
+    return value
+
+
+def _float(value: Any, param: str, low: float, high: float, open_low: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadParameter(param, f"{param} must be a number")
+    value = float(value)
+    if value != value or value > high or value < low or (open_low and value <= low):
+        raise BadParameter(param, f"{param} must be {'>' if open_low else '>='} {low:g} and <= {high:g}, got {value:g}")
+    return value
