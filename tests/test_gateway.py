@@ -20,7 +20,7 @@ from workers.gateway.params import BadParameter, parse
 def test_a_completion_body_maps_onto_a_request():
     p = parse({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stop": "x", "logprobs": 2,
                "seed": 7, "priority": -1, "user": "ignored", "unknown_field": 1}, "completion", "m")
-    assert p.prompt == [5, 6, 7] and not p.stream
+    assert p.prompts == [[5, 6, 7]] and not p.stream and p.n == 1
     assert {"max_tokens": 3, "temperature": 0.0, "stop": ["x"], "logprobs": 2, "seed": 7,
             "priority": -1}.items() <= p.options.items()
 
@@ -37,9 +37,11 @@ def test_a_chat_body_maps_onto_a_request():
     ({"model": "other", "prompt": "x"}, "completion", "model", 404),
     ({"prompt": "x", "logit_bias": {"5": 1}}, "completion", "logit_bias", 400),
     ({"prompt": "x", "best_of": 3}, "completion", "best_of", 400),
-    ({"prompt": "x", "n": 2}, "completion", "n", 400),
+    ({"prompt": "x", "n": 0}, "completion", "n", 400),
+    ({"prompt": ["a", "b"], "n": 100}, "completion", "n", 400),
+    ({"prompt": ["a", 5]}, "completion", "prompt", 400),
+    ({"prompt": "x", "echo": True}, "completion", "echo", 400),
     ({"prompt": "x", "suffix": "y"}, "completion", "suffix", 400),
-    ({"prompt": ["a", "b"]}, "completion", "prompt", 400),
     ({"prompt": []}, "completion", "prompt", 400),
     ({"prompt": "x", "max_tokens": -1}, "completion", "max_tokens", 400),
     ({"prompt": "x", "temperature": "hot"}, "completion", "temperature", 400),
@@ -57,6 +59,31 @@ def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
         parse(body, kind, "genpipe-tiny" if "model" not in body else "m")
     assert err.value.param == param and err.value.status == status
     assert param.split("[")[0].split(".")[0] in str(err.value) or param == "body"
+
+
+def test_the_four_prompt_forms_and_n():
+    assert parse({"prompt": "x"}, "completion", "m").prompts == ["x"]
+    assert parse({"prompt": ["x", "y"], "n": 3}, "completion", "m").prompts == ["x", "y"]
+    assert parse({"prompt": [1, 2]}, "completion", "m").prompts == [[1, 2]]
+    assert parse({"prompt": [[1, 2], [3]], "n": 2}, "completion", "m").n == 2
+
+
+def test_fan_out_results_merge_as_openai_does():
+    from schemas.openai import Completion, CompletionChoice, UsageInfo
+    from workers.gateway.fanout import merge_final, reindex, total_usage
+
+    def result(rid, text, prompt_tokens, completion_tokens):
+        return Completion(id=f"cmpl-{rid}", created=1, model="m",
+                          choices=[CompletionChoice(index=0, text=text, finish_reason="length")],
+                          usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                          total_tokens=prompt_tokens + completion_tokens))
+    # 2 prompts x n=2: the prompt's tokens count once per prompt, completions every time
+    merged = merge_final([result("a", "0", 5, 3), result("b", "1", 5, 4), result("c", "2", 7, 1),
+                          result("d", "3", 7, 2)], prompt_of=[0, 0, 1, 1])
+    assert merged.id == "cmpl-a" and [(c.index, c.text) for c in merged.choices] == [(0, "0"), (1, "1"), (2, "2"), (3, "3")]
+    assert merged.usage == UsageInfo(prompt_tokens=12, completion_tokens=10, total_tokens=22)
+    assert reindex(result("x", "t", 1, 1), 3, "cmpl-a").choices[0].index == 3
+    assert total_usage([None, UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)], [0, 0]) is None
 
 
 # --- real HTTP --------------------------------------------------------------------------------
@@ -128,6 +155,27 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert all(c["object"] == "chat.completion.chunk" for c in chunks)
             assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
             assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+            fan = await http.post("/v1/completions", json={"model": "tiny", "prompt": ["Once", [5, 6, 7]], "n": 2,
+                                                           "max_tokens": 3, "ignore_eos": True, "seed": 1})
+            assert fan.status_code == 200, fan.text
+            assert [c["index"] for c in fan.json()["choices"]] == [0, 1, 2, 3]
+            assert fan.json()["usage"]["completion_tokens"] == 12
+
+            events = []
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "Once", "n": 2, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+            assert events[-1] == "[DONE]"
+            parts = [json.loads(e) for e in events[:-1]]
+            assert len({p["id"] for p in parts}) == 1  # one response id for every choice
+            assert {c["index"] for p in parts for c in p["choices"]} == {0, 1}
+            assert [p["usage"] for p in parts if p.get("usage")] == [
+                {"prompt_tokens": parts[-1]["usage"]["prompt_tokens"], "completion_tokens": 8,
+                 "total_tokens": parts[-1]["usage"]["prompt_tokens"] + 8}]  # one, summed, last
 
             bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}})
             assert bad.status_code == 400

@@ -29,11 +29,13 @@ from starlette.routing import Route
 from schemas.openai import ErrorResponse
 from workers.client import (GenpipeClient, GenpipeError, GenpipeTimeout, Restart, make_request, render_chat,
                             render_prompt)
+from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+_END = object()  # queue marker: a choice's stream ended
 
 
 @dataclass
@@ -107,77 +109,104 @@ class Gateway:
             return error_response(400, f"the request body is not valid JSON: {exc}", param="body")
         try:
             parsed = parse(body, kind, self.config.model_name, self.config.max_logprobs)
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed)
+            prompts = await asyncio.to_thread(self._prompt_ids, parsed)
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
         if self.in_flight >= self.config.max_in_flight:
             return error_response(429, f"this gateway has {self.in_flight} requests open, its limit "
                                        f"(--max-in-flight); retry later", "rate_limit_error")
-        generate_request = make_request(prompt_ids, kind=kind, **parsed.options)
+        # Choice index = prompt index × n + sample index; a seeded request gives each
+        # choice its own seed (seed + index), so n > 1 does not repeat one sample.
+        seed = parsed.options.get("seed")
+        choices = [make_request(ids, kind=kind, **{**parsed.options, "seed": None if seed is None else seed + index})
+                   for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
+        prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
-            return StreamingResponse(self._events(generate_request), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._complete(request, generate_request)
+            return StreamingResponse(self._events(choices, prompt_of, parsed.options.get("include_usage", False)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(request, choices, prompt_of)
 
-    def _prompt_ids(self, parsed) -> list[int]:
+    def _prompt_ids(self, parsed) -> list[list[int]]:
         try:
             if parsed.kind == "chat":
-                return render_chat(self.config.tokenizer, parsed.messages)
-            if isinstance(parsed.prompt, str):
-                return render_prompt(self.config.tokenizer, parsed.prompt)
+                return [render_chat(self.config.tokenizer, parsed.messages)]
+            return [render_prompt(self.config.tokenizer, p) if isinstance(p, str) else p for p in parsed.prompts]
         except ValueError as exc:  # no chat template, a template that refuses the messages
             raise BadParameter("messages" if parsed.kind == "chat" else "prompt", str(exc)) from None
-        return parsed.prompt
 
-    async def _complete(self, request: Request, generate_request) -> Response:
+    async def _complete(self, request: Request, choices: list, prompt_of: list[int]) -> Response:
         """A non-streamed request: one JSON answer. A client that goes away cancels it."""
         self.in_flight += 1
-        done = asyncio.ensure_future(self.client.complete(generate_request))
+        done = asyncio.ensure_future(asyncio.gather(*(self.client.complete(c) for c in choices)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
             if not done.done():
                 done.cancel()
-                self._cancel(generate_request.request_id, "the HTTP client went away")
+                for c in choices:
+                    self._cancel(c.request_id, "the HTTP client went away")
                 return Response(status_code=499)  # nobody reads it
             try:
-                return Response(_json.encode(done.result()), media_type="application/json")
+                results = done.result()
             except GenpipeTimeout as exc:
                 return error_response(504, str(exc), "timeout")
             except GenpipeError as exc:
                 status = exc.code if isinstance(exc.code, int) and 400 <= exc.code < 600 else 500
                 return error_response(status, exc.message, exc.type, exc.param)
             except Exception as exc:  # Kafka unreachable, the client stopped
-                log.error("request %s failed: %r", generate_request.request_id, exc)
+                log.error("request %s failed: %r", choices[0].request_id, exc)
                 return error_response(503, f"genpipe is unavailable: {exc}", "service_unavailable")
+            return Response(_json.encode(merge_final(results, prompt_of)), media_type="application/json")
         finally:
             gone.cancel()
+            if not done.done():
+                done.cancel()
             self.in_flight -= 1
 
-    async def _events(self, generate_request):
-        """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end.
-        After the first byte an error can only be an event; a request that restarted on
-        another generate worker after bytes were sent cannot take them back, so the
-        stream ends with an error event saying so (the request is cancelled)."""
+    async def _events(self, choices: list, prompt_of: list[int], include_usage: bool):
+        """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end;
+        with several choices their records interleave, each with its `index`, and one
+        usage record (the sum) comes last. After the first byte an error can only be an
+        event; a request that restarted on another generate worker after bytes were sent
+        cannot take them back, so the stream ends with an error event saying so (and the
+        rest is cancelled)."""
         self.in_flight += 1
-        finished, sent = False, False
+        response_id = f"{'chatcmpl' if choices[0].output.kind == 'chat' else 'cmpl'}-{choices[0].request_id}"
+        queue: asyncio.Queue = asyncio.Queue(maxsize=256)  # bounded: a slow HTTP reader slows the readers
+        readers = [asyncio.ensure_future(self._read_choice(c, i, queue)) for i, c in enumerate(choices)]
+        finished, sent, open_choices = set(), False, len(choices)
+        usages: list = [None] * len(choices)
+        last = None
         try:
-            stream = self.client.stream(generate_request, raise_errors=False)
-            async with contextlib.aclosing(stream) as items:
-                async for item in items:
-                    if isinstance(item, Restart):
-                        if sent:
-                            yield _event(error_body("the request was restarted by the pipeline after part of "
-                                                    "its output was sent; the output so far is void: "
-                                                    "send the request again", "server_error", code=500))
-                            return
-                        continue
-                    yield _event(_json.encode(item))
-                    sent = True
-                    if isinstance(item, ErrorResponse):
-                        finished = True
+            while open_choices:
+                index, item = await queue.get()
+                if item is _END:
+                    open_choices -= 1
+                    finished.add(index)
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Restart):
+                    if sent:
+                        yield _event(error_body("the request was restarted by the pipeline after part of its "
+                                                "output was sent; the output so far is void: send the request "
+                                                "again", "server_error", code=500))
                         return
-            finished = True
+                    continue
+                if isinstance(item, ErrorResponse):
+                    yield _event(_json.encode(item))
+                    return
+                if item.usage is not None:
+                    usages[index] = item.usage
+                    if not item.choices:
+                        continue  # the per-choice usage record: one summed record comes last
+                    item = msgspec.structs.replace(item, usage=None)
+                last = reindex(item, index, response_id)
+                yield _event(_json.encode(last))
+                sent = True
+            if include_usage and last is not None:
+                usage = total_usage(usages, prompt_of)
+                yield _event(_json.encode(msgspec.structs.replace(last, choices=[], usage=usage)))
             yield b"data: [DONE]\n\n"
         except GenpipeTimeout as exc:
             yield _event(error_body(str(exc), "timeout", code=504))
@@ -185,8 +214,22 @@ class Gateway:
             yield _event(error_body(exc.message, exc.type, exc.param, exc.code))
         finally:
             self.in_flight -= 1
-            if not finished:  # the HTTP client went away, or the stream ended early
-                self._cancel(generate_request.request_id, "the HTTP stream ended before the request")
+            for reader in readers:
+                reader.cancel()
+            for i, c in enumerate(choices):
+                if i not in finished:  # the HTTP client went away, or the stream ended early
+                    self._cancel(c.request_id, "the HTTP stream ended before the request")
+
+    async def _read_choice(self, generate_request, index: int, queue: asyncio.Queue) -> None:
+        try:
+            async with contextlib.aclosing(self.client.stream(generate_request, raise_errors=False)) as items:
+                async for item in items:
+                    await queue.put((index, item))
+            await queue.put((index, _END))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put((index, exc))
 
     def _cancel(self, request_id: str, reason: str) -> None:
         # Not awaited here: this runs while the response's task is being cancelled.

@@ -26,7 +26,6 @@ UNSUPPORTED = {
 }
 # Not yet in this gateway (issue #12 lists them): refused by name too.
 NOT_YET = {
-    "n": lambda v: v not in (None, 1),
     "echo": lambda v: bool(v),
     "prompt_logprobs": lambda v: v is not None,
 }
@@ -38,10 +37,14 @@ class BadParameter(ValueError):
         self.param, self.status, self.kind = param, status, kind
 
 
+MAX_CHOICES = 128  # prompts × n in one HTTP request
+
+
 @dataclass
 class Parsed:
     kind: str  # "completion" | "chat"
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
+    n: int = 1
     messages: list[dict] | None = None  # chat
     stream: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # make_request keyword arguments
@@ -63,9 +66,13 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     opts = parsed.options
     opts["model"] = model_name
     if kind == "completion":
-        parsed.prompt = _prompt(body.get("prompt"))
+        parsed.prompts = _prompts(body.get("prompt"))
     else:
         parsed.messages = _messages(body.get("messages"))
+    parsed.n = _int(body.get("n", 1) if body.get("n") is not None else 1, "n", 1, MAX_CHOICES)
+    if parsed.n * max(1, len(parsed.prompts)) > MAX_CHOICES:
+        raise BadParameter("n", f"prompts × n must be at most {MAX_CHOICES}, got "
+                                f"{len(parsed.prompts)} × {parsed.n}")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
     param = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
     opts["max_tokens"] = _int(max_tokens, param, 0, None) if max_tokens is not None else (16 if kind == "completion" else None)
@@ -106,16 +113,21 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     return parsed
 
 
-def _prompt(value: Any) -> str | list[int]:
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, a list of strings, a list of token ids, a
+    list of token id lists."""
+    def ids(v) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        return _prompt(value[0])  # a list of one prompt
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return list(value)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise BadParameter("prompt", "several prompts in one request are not supported by this gateway yet")
-    raise BadParameter("prompt", "prompt must be a string or a non-empty list of token ids")
+        return [value]
+    if ids(value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        if len(value) > MAX_CHOICES:
+            raise BadParameter("prompt", f"at most {MAX_CHOICES} prompts in one request, got {len(value)}")
+        return [p if isinstance(p, str) else list(p) for p in value]
+    raise BadParameter("prompt", "prompt must be a string, a list of strings, a non-empty list of token ids "
+                                 "or a list of such lists")
 
 
 def _messages(value: Any) -> list[dict]:
