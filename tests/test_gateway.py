@@ -95,14 +95,14 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(settings, tiny_model_dir):
+async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0):
     import uvicorn
 
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
     from workers.gateway.app import Gateway, GatewayConfig
 
     gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
-                                            synthetic_step_s=0.005, max_batch=8,
+                                            synthetic_step_s=step_s, max_batch=8,
                                             group_id=f"{settings.topic_prefix}-generate")  # /health looks for it
     der_stop, der_ready = asyncio.Event(), asyncio.Event()
     der_task = asyncio.ensure_future(run_derender_worker(
@@ -110,7 +110,8 @@ async def running_stack(settings, tiny_model_dir):
         stop=der_stop, on_ready=der_ready.set))
     await asyncio.wait_for(der_ready.wait(), 60)
     port = _free_port()
-    gateway = Gateway(settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny", gateway_id="t1"))
+    gateway = Gateway(settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny", gateway_id="t1",
+                                              keepalive_s=keepalive_s))
     server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     try:
@@ -177,6 +178,12 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
                 {"prompt_tokens": parts[-1]["usage"]["prompt_tokens"], "completion_tokens": 8,
                  "total_tokens": parts[-1]["usage"]["prompt_tokens"] + 8}]  # one, summed, last
 
+            late = await http.post("/v1/completions", headers={"X-Request-Timeout": "0.001"},
+                                   json={"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True})
+            assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "abort"
+            bad_timeout = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "timeout": -1})
+            assert bad_timeout.status_code == 400 and bad_timeout.json()["error"]["param"] == "timeout"
+
             bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}})
             assert bad.status_code == 400
             assert bad.json()["error"] == {"message": "logit_bias is not supported by genpipe",
@@ -232,3 +239,17 @@ async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_
         while gateway.in_flight:
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.05)  # polling a counter the response task decrements
+
+
+@pytest.mark.kafka
+async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topics, tiny_model_dir):
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.3, keepalive_s=0.05) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            lines = []
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}) as s:
+                async for line in s.aiter_lines():
+                    lines.append(line)
+    assert ": keep-alive" in lines  # between tokens 0.3 s apart
+    assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"

@@ -46,6 +46,7 @@ class GatewayConfig:
     max_in_flight: int = 1024  # open requests at most; more get 429
     max_logprobs: int = 20
     timeout_s: float = 120.0  # no result for this long: 504
+    keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -117,6 +118,12 @@ class Gateway:
                                        f"(--max-in-flight); retry later", "rate_limit_error")
         # Choice index = prompt index × n + sample index; a seeded request gives each
         # choice its own seed (seed + index), so n > 1 does not repeat one sample.
+        try:
+            timeout = _timeout(request.headers.get("x-request-timeout"), body.get("timeout"))
+        except BadParameter as exc:
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
+        if timeout is not None:
+            parsed.options["deadline_s"] = timeout  # a request not started by then ends as "abort"
         seed = parsed.options.get("seed")
         choices = [make_request(ids, kind=kind, **{**parsed.options, "seed": None if seed is None else seed + index})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
@@ -179,7 +186,11 @@ class Gateway:
         last = None
         try:
             while open_choices:
-                index, item = await queue.get()
+                try:
+                    index, item = await asyncio.wait_for(queue.get(), self.config.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield b": keep-alive\n\n"  # an SSE comment: clients ignore it
+                    continue
                 if item is _END:
                     open_choices -= 1
                     finished.add(index)
@@ -261,6 +272,20 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _timeout(header: str | None, field) -> float | None:
+    """The request's own timeout in seconds: header `X-Request-Timeout` or body `timeout`."""
+    value = header if header is not None else field
+    if value is None:
+        return None
+    try:
+        seconds = float("nan") if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds <= 86_400:
+        raise BadParameter("timeout", f"timeout must be seconds in (0, 86400], got {str(value)[:50]!r}")
+    return seconds
 
 
 def _event(data: bytes) -> bytes:
