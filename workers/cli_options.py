@@ -55,3 +55,12 @@ def quiet_kafka_logs(verbose: bool = False) -> None:
     """aiokafka logs connection errors itself; a command reports them as one line."""
     if not verbose:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """`--log-level`, the same for every long-running command."""
+    import os
+
+    parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
+                        help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")

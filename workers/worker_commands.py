@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from workers.cli_options import add_max_logprobs, at_least
+from workers.cli_options import add_log_level, add_max_logprobs, at_least
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
@@ -56,9 +56,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "requests, chunks, cancel and dlq topics are never allowed. A request "
                              "outside it gets an invalid_request_error on <prefix>.results. Use the "
                              "same value for both workers.")
-    parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
-                        help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")
+    add_log_level(parser)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 
-from workers.cli_options import at_least
+from workers.cli_options import add_log_level, at_least
 from workers.kafka.settings import KafkaSettings
 
 
@@ -72,9 +72,7 @@ def register(sub) -> None:
                        help="open requests at most; more get 429 (default %(default)s)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
                        help="seconds without a result before a request gets 504 (default %(default)s)")
-    serve.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
-                       help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")
+    add_log_level(serve)
     add_max_logprobs(serve)
     KafkaSettings.add_arguments(serve)
     serve.set_defaults(func=_serve)
