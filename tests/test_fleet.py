@@ -114,7 +114,7 @@ async def test_rows_kept_free_of_bulk_work_let_an_interactive_request_start_at_o
     """The engine does not preempt; a batch full of long bulk requests would make an
     interactive one wait for the first of them to end. 1/16 of the rows stay free of bulk."""
     await make_topics(kafka_settings, partitions=1)
-    bulk = [req(f"bulk-{i}", 150) for i in range(40)]  # ~1.5 s each; far more than a batch
+    bulk = [req(f"bulk-{i}", 300) for i in range(40)]  # ~3 s each; far more than a batch
     stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
                                     synthetic_step_s=0.01, max_batch=16)
     try:
@@ -134,7 +134,7 @@ async def test_a_deadline_that_passes_while_queued_aborts_before_taking_a_slot(k
     stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
                                     synthetic_step_s=0.02, max_batch=1)
     try:
-        long = [req(f"long-{i}", 60) for i in range(2)]  # 2 slots (1 + headroom), ~1.2 s each
+        long = [req(f"long-{i}", 100) for i in range(2)]  # 2 slots (1 + headroom), ~2 s each
         await send(kafka_settings, long)
         await first_chunk_of(kafka_settings, ["long-0"])
         late = req("late", 5, deadline_ms=int(time.time() * 1000) + 400)
