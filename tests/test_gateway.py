@@ -253,3 +253,32 @@ async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topi
                     lines.append(line)
     assert ": keep-alive" in lines  # between tokens 0.3 s apart
     assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+
+
+@pytest.mark.kafka
+async def test_without_workers_health_is_503_and_a_request_times_out_with_504(kafka_settings, make_topics,
+                                                                              tiny_model_dir):
+    import uvicorn
+
+    from workers.gateway.app import Gateway, GatewayConfig
+
+    await make_topics(kafka_settings, partitions=2)
+    port = _free_port()
+    gateway = Gateway(kafka_settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny",
+                                                    gateway_id="lonely", timeout_s=1.0))
+    server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while not server.started:
+            assert asyncio.get_running_loop().time() < deadline and not serving.done()
+            await asyncio.sleep(0.05)  # polling uvicorn's started flag
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            health = await http.get("/health")
+            assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
+            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        assert gateway.in_flight == 0
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
