@@ -135,6 +135,43 @@ async def _run_prompts(settings: KafkaSettings, tokenizer_dir: str, max_tokens: 
     return 0
 
 
+def _serve(settings: KafkaSettings, model_dir: str, port: int, children: "Children", log_dir: Path) -> int:
+    """`--serve PORT`: the HTTP gateway beside the workers until Ctrl-C, with examples
+    that work as printed."""
+    import urllib.request
+
+    from workers.derender.state import DEFAULT_MODEL_NAME
+
+    proc = children.start("serve", ["serve", "--port", str(port), "--tokenizer", model_dir, "--log-level", "warning",
+                                    "--bootstrap-servers", settings.bootstrap_servers,
+                                    "--topic-prefix", settings.topic_prefix], log_dir)
+    deadline = time.monotonic() + 60
+    while True:  # polling the gateway's port until it answers (or the process died)
+        if proc.poll() is not None:
+            raise RuntimeError(f"genpipe serve exited (code {proc.returncode}); see {log_dir}/demo-serve.log")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"genpipe serve did not answer on port {port} within 60 s") from None
+            time.sleep(0.2)
+    base = f"http://127.0.0.1:{port}"
+    _say(f"\nserving the OpenAI API on {base}/v1 (model {DEFAULT_MODEL_NAME!r}); try, in another shell:\n"
+         f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+         f"    -d '{{\"model\": \"{DEFAULT_MODEL_NAME}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'\n"
+         f"  python3 -c 'from openai import OpenAI; print(OpenAI(base_url=\"{base}/v1\", api_key=\"-\")"
+         f".completions.create(model=\"{DEFAULT_MODEL_NAME}\", prompt=\"Hello\", max_tokens=16).choices[0].text)'\n"
+         f"Ctrl-C stops everything.")
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)  # waiting for Ctrl-C (or the gateway to exit)
+    except KeyboardInterrupt:
+        _say("\nstopping")
+        return 0
+    raise RuntimeError(f"genpipe serve exited (code {proc.returncode}); see {log_dir}/demo-serve.log")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from workers.broker.local import broker_down, broker_status, broker_up
     from workers.broker.topics import create_topics
@@ -167,7 +204,10 @@ def run_demo(args: argparse.Namespace) -> int:
         children.start("generate", ["generate-worker", "--model", model_dir, *common], log_dir)
         children.start("derender", ["derender-worker", "--tokenizer", model_dir, *common], log_dir)
         _say(f"started a generate and a derender worker (logs: {log_dir}/demo-*.log)")
-        return asyncio.run(_run_prompts(settings, model_dir, args.max_tokens, args.timeout, children))
+        code = asyncio.run(_run_prompts(settings, model_dir, args.max_tokens, args.timeout, children))
+        if code == 0 and args.serve:
+            return _serve(settings, model_dir, args.serve, children, log_dir)
+        return code
     except KeyboardInterrupt:
         _say("\ninterrupted")
         return 130
@@ -192,4 +232,7 @@ def register(sub) -> None:
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default %(default)s)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each answer")
     demo.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
+    demo.add_argument("--serve", type=int, metavar="PORT", default=None,
+                      help="after the answers, keep the workers running and serve the OpenAI-compatible HTTP "
+                           "API (genpipe serve) on this port until Ctrl-C, printing curl and openai examples")
     demo.set_defaults(func=run_demo)
