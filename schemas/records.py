@@ -45,6 +45,7 @@ class OutputOptions(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     created: int | None = None  # unix seconds; derender fills it in when absent
+    echo: bool = False  # completions: the prompt's text (and logprobs) in front of the output
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -110,6 +111,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The request record's offset on its partition (the chunk's partition number): a re-run
     # of the same record (after a crash) has the same one, a re-used request_id another.
     request_offset: int | None = None
+    prompt_token_ids: list[int] | None = None  # seq 0, only when output.echo: the whole prompt
 
 
 class Cancel(msgspec.Struct, kw_only=True):

@@ -43,8 +43,9 @@ def check_logprobs_count(field: str, value: int | None, max_logprobs: int = DEFA
 
 def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                       vocab_size: int | None = None) -> None:
-    if p.max_tokens is not None and p.max_tokens < 1:
-        _fail("sampling.max_tokens", f"must be at least 1, got {p.max_tokens}")
+    if p.max_tokens is not None and p.max_tokens < 0:
+        _fail("sampling.max_tokens", f"must be >= 0 (0: the prompt only, with echo / prompt_logprobs), "
+                                     f"got {p.max_tokens}")
     if p.min_tokens < 0:
         _fail("sampling.min_tokens", f"must be >= 0, got {p.min_tokens}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:

@@ -242,3 +242,46 @@ def test_check_chunk_pure(tables):
 def test_max_logprobs_negative_means_vocab(tables):
     d = Derenderer(tables, max_logprobs=-1)
     assert d.max_logprobs == tables.size
+
+
+
+def _prompt_positions(ids):
+    from schemas.records import GenerateLogProbsContent
+
+    return [None] + [GenerateLogProbsContent(token_id=t, logprob=-1.5, rank=3,
+                                             top_logprobs=[GenerateLogProb(t, -1.5, 3), GenerateLogProb(7, -0.5, 1)])
+                     for t in ids[1:]]
+
+
+def test_echo_with_max_tokens_zero_is_the_prompt_with_its_logprobs(d, tables):
+    prompt = encode_ids(tables, " Once upon a time")
+    c = GenerateChunk(request_id="score", attempt="a", seq=0, finish_reason="length", prompt_token_count=len(prompt),
+                      prompt_tail_ids=prompt[-8:], prompt_token_ids=prompt, prompt_logprobs=_prompt_positions(prompt),
+                      output=OutputOptions(kind="completion", echo=True, top_logprobs=1))
+    (res,) = results(d.process(c))
+    choice = res.value.choices[0]
+    # The text decodes the ids as the tokenizer does (spm drops the first word's space);
+    # the logprob tokens are each id's own string, as for generated tokens.
+    assert choice.text == "Once upon a time" and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == " Once upon a time" and len(lp.tokens) == len(prompt)
+    assert lp.token_logprobs == [None] + [-1.5] * (len(prompt) - 1)
+    assert lp.top_logprobs[0] is None and all(len(top) == 2 for top in lp.top_logprobs[1:])  # its own + top 1
+    assert lp.text_offset[0] == 0 and res.value.usage.completion_tokens == 0
+
+
+def test_echo_streamed_puts_the_prompt_in_front_of_the_first_result_only(d, tables):
+    prompt = encode_ids(tables, " Once upon")
+    cs = chunks_for(tables, rid="e", text=" a time", output=OutputOptions(kind="completion", stream=True, echo=True))
+    cs[0].prompt_token_ids = prompt
+    out = run_chunks(d, cs)
+    texts = [r.value.choices[0].text for r in results(out)]
+    assert texts[0].startswith("Once upon") and "".join(texts) == "Once upon a time"
+    assert not any("Once" in t for t in texts[1:])
+
+
+def test_echo_ids_out_of_vocabulary_are_a_bad_chunk(d, tables):
+    c = GenerateChunk(request_id="bad-echo", attempt="a", seq=0, finish_reason="length", prompt_token_ids=[10**6],
+                      output=OutputOptions(kind="completion", echo=True))
+    err = only_error(d.process(c))
+    assert "prompt_token_ids" in err.value.error.message

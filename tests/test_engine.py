@@ -538,3 +538,18 @@ async def test_engine_thread_paces_steps_and_keeps_the_tokens(make_engine, promp
     # pause may be cut short: the add's own wake can land after the first step began (a new
     # request ends a pause), hence four.
     assert elapsed >= 4 * 0.04, elapsed
+
+
+def test_max_tokens_zero_gives_the_prompt_logprobs_and_no_token(make_engine, prompts, hf_greedy):
+    """The prompt only (an evaluation harness scoring a text): one final output, no token,
+    every prompt position's logprob; requests beside it are unaffected."""
+    engine = make_engine(prefill_chunk=4)  # across prefill chunks, with a normal request in the batch
+    res = run(engine, [req("score", prompts[1], max_tokens=0, prompt_logprobs=2),
+                       req("bare", prompts[2], max_tokens=0),
+                       req("x", prompts[0], max_tokens=8)])
+    score = res["score"]
+    assert score.tokens == [] and score.finish_reason == "length" and len(score.outputs) == 1
+    assert len(score.prompt_logprobs) == len(prompts[1]) and score.prompt_logprobs[0] is None
+    assert [e.token_id for e in score.prompt_logprobs[1:]] == prompts[1][1:]
+    assert res["bare"].tokens == [] and res["bare"].finish_reason == "length" and res["bare"].prompt_logprobs is None
+    assert res["x"].tokens == hf_greedy(prompts[0], 8)

@@ -40,7 +40,8 @@ def test_a_chat_body_maps_onto_a_request():
     ({"prompt": "x", "n": 0}, "completion", "n", 400),
     ({"prompt": ["a", "b"], "n": 100}, "completion", "n", 400),
     ({"prompt": ["a", 5]}, "completion", "prompt", 400),
-    ({"prompt": "x", "echo": True}, "completion", "echo", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "chat", "echo", 400),
+    ({"prompt": "x", "prompt_logprobs": 1}, "completion", "prompt_logprobs", 400),
     ({"prompt": "x", "suffix": "y"}, "completion", "suffix", 400),
     ({"prompt": []}, "completion", "prompt", 400),
     ({"prompt": "x", "max_tokens": -1}, "completion", "max_tokens", 400),
@@ -177,6 +178,15 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert [p["usage"] for p in parts if p.get("usage")] == [
                 {"prompt_tokens": parts[-1]["usage"]["prompt_tokens"], "completion_tokens": 8,
                  "total_tokens": parts[-1]["usage"]["prompt_tokens"] + 8}]  # one, summed, last
+
+            scored = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time",
+                                                              "max_tokens": 0, "echo": True, "logprobs": 1})
+            assert scored.status_code == 200, scored.text
+            choice = scored.json()["choices"][0]
+            assert choice["text"] == "Once upon a time" and scored.json()["usage"]["completion_tokens"] == 0
+            assert choice["logprobs"]["token_logprobs"][0] is None
+            assert all(isinstance(v, float) for v in choice["logprobs"]["token_logprobs"][1:])
+            assert len(choice["logprobs"]["tokens"]) == scored.json()["usage"]["prompt_tokens"]
 
             late = await http.post("/v1/completions", headers={"X-Request-Timeout": "0.001"},
                                    json={"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True})

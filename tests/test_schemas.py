@@ -228,7 +228,7 @@ def test_undecodable_or_mistyped_requests_raise_one_clear_error(data, content_ty
     (dict(sampling={"logprobs": 21}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..20, got 21"),
     (dict(sampling={"logprobs": -2}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..20, got -2"),
     (dict(sampling={"prompt_logprobs": 25}), "sampling.prompt_logprobs", "must be -1 or 0..20, got 25"),
-    (dict(sampling={"max_tokens": 0}), "sampling.max_tokens", "must be at least 1, got 0"),
+    (dict(sampling={"max_tokens": -1}), "sampling.max_tokens", "must be >= 0 (0: the prompt only, with echo / prompt_logprobs), got -1"),
     (dict(sampling={"max_tokens": 4, "min_tokens": 5}), "sampling.min_tokens", "must not exceed max_tokens"),
     (dict(sampling={"temperature": -1}), "sampling.temperature", "must be >= 0"),
     (dict(sampling={"top_p": 0}), "sampling.top_p", "must be in (0, 1]"),

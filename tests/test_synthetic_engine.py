@@ -103,3 +103,13 @@ async def test_a_synthetic_generate_worker_streams_its_tokens_through_kafka(kafk
             assert len(chunk.logprobs.content) == len(chunk.token_ids)
     for i, r in enumerate(requests):
         assert got[r.request_id] == [synthetic_token(r.request_id, j, 2000) for j in range(20 + i)]
+
+
+
+def test_max_tokens_zero_is_the_prompt_only():
+    engine = SyntheticEngine(step_s=0.0, max_batch=2, vocab_size=2000)
+    engine.add(GenerateRequest(request_id="score", prompt_token_ids=[1, 5, 6],
+                               sampling=SamplingParams(max_tokens=0, prompt_logprobs=2)))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert len(outs) == 1 and outs[0].token_ids == [] and outs[0].finish_reason == "length"
+    assert outs[0].prompt_logprobs[0] is None and [e.token_id for e in outs[0].prompt_logprobs[1:]] == [5, 6]

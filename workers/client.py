@@ -310,7 +310,7 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
                  prompt_logprobs: int | None = None, stream: bool = False, include_usage: bool = False,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  model: str | None = None, reply_topic: str | None = None, deadline_s: float | None = None,
-                 priority: int = 0, created: int | None = None) -> GenerateRequest:
+                 priority: int = 0, created: int | None = None, echo: bool = False) -> GenerateRequest:
     """A `GenerateRequest` with OpenAI-style logprob options mapped as derender expects.
 
     `kind="completion"`: `logprobs=k` is OpenAI's completions `logprobs` (the sampled
@@ -320,7 +320,9 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
     `GenerateRequest` yourself for `sampling.logprobs=-1`, the whole vocabulary).
 
     Fills `request_id` (a uuid4 hex) and `output.created` (now) when not given;
-    `deadline_s` is relative (seconds from now).
+    `deadline_s` is relative (seconds from now). `echo` (completions): the prompt's text,
+    and with `logprobs` its logprobs, in front of the output (`max_tokens=0`: the prompt
+    only, what evaluation harnesses score).
     """
     if kind not in ("chat", "completion"):
         raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
@@ -337,6 +339,10 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
             gen_logprobs = k + 1
         if k < 0:
             raise ValueError(f"logprobs/top_logprobs must be >= 0, got {k}")
+    if echo and kind != "completion":
+        raise ValueError("echo is for completions")
+    if echo and gen_logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = gen_logprobs  # the prompt's positions, with the same candidates
     sampling = SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -345,7 +351,7 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
         kind=kind, model=model, stream=stream, include_usage=include_usage, top_logprobs=max(k, 0),
         stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
-        created=int(time.time()) if created is None else created)
+        created=int(time.time()) if created is None else created, echo=echo)
     return GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, prompt_token_ids=[int(t) for t in prompt_token_ids],
         sampling=sampling, output=output, reply_topic=reply_topic,

@@ -154,6 +154,23 @@ def completion_logprobs(
     return offset
 
 
+def echo_prompt(tables, corrector: Corrector, prompt_ids: Sequence[int],
+                prompt_logprobs: Sequence[GenerateLogProbsContent | None] | None, k: int,
+                skip_special_tokens: bool) -> tuple[str, CompletionLogProbs | None, int]:
+    """`echo` (completions, vLLM's rules): the prompt's text, its logprobs when the
+    request asked for them (the first position has none), and the text offset where the
+    generated tokens' logprobs continue."""
+    from workers.derender.detokenizer import Detokenizer
+
+    detok = Detokenizer(tables, skip_special_tokens=skip_special_tokens)
+    text = detok.feed(prompt_ids) + detok.flush()
+    if prompt_logprobs is None:
+        return text, None, 0
+    out = CompletionLogProbs()
+    offset = completion_logprobs(prompt_ids, prompt_logprobs, k, corrector, [], out, 0)
+    return text, out, offset
+
+
 # --- result records ----------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.derender import shaping
+from workers.derender.chunk_rules import check_chunk
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
 from workers.derender.vocab import VocabTables, load_tables
@@ -111,6 +112,8 @@ class RequestState:
     parts: list[str] = field(default_factory=list)  # not streamed: the text so far
     chat_lp: list = field(default_factory=list)  # not streamed, chat: the logprob entries so far
     comp_lp: CompletionLogProbs = field(default_factory=CompletionLogProbs)  # not streamed, completion
+    echo_text: str = ""  # echo: the prompt's text, in front of the first result's text
+    echo_lp: CompletionLogProbs | None = None  # echo, streamed: the prompt's logprobs, in the first result
 
 
 class Derenderer:
@@ -239,12 +242,27 @@ class Derenderer:
             detok=Detokenizer(self.tables, skip_special_tokens=opts.skip_special_tokens, prompt_tail=tail),
             stop=StopMatcher(stops, opts.include_stop_str_in_output) if stops else None,
             chat=opts.kind == "chat", stream=opts.stream, k=max(0, opts.top_logprobs))
+        echo = chunk.prompt_token_ids
+        if (opts.echo and not req.chat and echo is not None and all(0 <= t < self.tables.size for t in echo)
+                and (chunk.prompt_logprobs is None or len(chunk.prompt_logprobs) == len(echo))):
+            # (bad ids or a misaligned list are reported by check_chunk; no crash here)
+            req.echo_text, prompt_lp, req.offset = shaping.echo_prompt(
+                self.tables, self.corrector, chunk.prompt_token_ids, chunk.prompt_logprobs, req.k,
+                opts.skip_special_tokens)
+            if prompt_lp is not None:
+                req.has_lp = True
+                if req.stream:
+                    req.echo_lp = prompt_lp
+                else:
+                    req.comp_lp = prompt_lp
         self._active[chunk.request_id] = req
         return req
 
     def _render(self, req: RequestState, rid: str, chunk: GenerateChunk) -> list[Output]:
         """A chunk of a running request: its text, its logprobs, then the result(s)."""
         text, n_keep, matched = self._text(req, chunk)
+        if req.echo_text:  # echo: the prompt goes in front of the first result's text
+            text, req.echo_text = req.echo_text + text, ""
         final = chunk.finish_reason is not None or matched
         finish_reason = "stop" if matched else chunk.finish_reason
         if matched:
@@ -307,7 +325,8 @@ class Derenderer:
                            if not 0 <= e.token_id < self.tables.size)
                 raise BadChunk(f"top_logprobs id {bad} out of vocabulary (size {self.tables.size})") from None
         elif not req.chat and (content is not None or req.has_lp):
-            result = req.comp_lp if not req.stream else CompletionLogProbs()
+            result = req.comp_lp if not req.stream else (req.echo_lp or CompletionLogProbs())
+            req.echo_lp = None
             req.offset = shaping.completion_logprobs(kept, content, req.k, self.corrector, hist, result, req.offset)
         else:
             hist.extend(kept)
@@ -396,40 +415,3 @@ class Derenderer:
 def _other_record(finished_offset: int | None, offset: int | None) -> bool:
     """A seq-0 chunk comes from another request record than the finished request's."""
     return finished_offset is not None and offset is not None and offset != finished_offset
-
-
-def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
-                checked_later: int = 0) -> str | None:
-    """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
-
-    `checked_later`: the first n candidates of each position are range-checked by the
-    chat shaping, which looks them up anyway; only the rest are checked here.
-    """
-    ids = chunk.token_ids
-    if chunk.token_offset != generated:
-        return f"token_offset {chunk.token_offset} but {generated} tokens came before"
-    for t in ids:
-        if t >= vocab_size or t < 0:
-            return f"token id {t} out of vocabulary (size {vocab_size})"
-    tail = chunk.prompt_tail_ids
-    # An error chunk is passed on as generate wrote it: its tail seeds nothing, and a bad
-    # prompt id is often the very error it reports.
-    if tail and chunk.finish_reason != "error" and (min(tail) < 0 or max(tail) >= vocab_size):
-        return f"prompt_tail_ids hold an id out of vocabulary (size {vocab_size})"
-    lp = chunk.logprobs
-    if lp is None or lp.content is None:
-        return None
-    content = lp.content
-    if len(content) != len(ids):
-        return f"logprobs.content has {len(content)} entries for {len(ids)} token ids"
-    for i, pos in enumerate(content):
-        if pos.token_id != ids[i]:
-            return f"logprobs.content[{i}].token_id {pos.token_id} is not the sampled id {ids[i]}"
-        tops = pos.top_logprobs
-        if len(tops) > max_logprobs:
-            return f"position {i} has {len(tops)} top entries, more than max_logprobs={max_logprobs}"
-        if len(tops) > checked_later:
-            for e in tops[checked_later:] if checked_later else tops:
-                if e.token_id >= vocab_size or e.token_id < 0:
-                    return f"top_logprobs id {e.token_id} at position {i} out of vocabulary (size {vocab_size})"
-    return None

@@ -26,7 +26,6 @@ UNSUPPORTED = {
 }
 # Not yet in this gateway (issue #12 lists them): refused by name too.
 NOT_YET = {
-    "echo": lambda v: bool(v),
     "prompt_logprobs": lambda v: v is not None,
 }
 
@@ -92,7 +91,10 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     if kind == "completion":
         if body.get("logprobs") is not None:
             opts["logprobs"] = _int(body["logprobs"], "logprobs", 0, max_logprobs)
+        opts["echo"] = _bool(body, "echo", False)
     else:
+        if _bool(body, "echo", False):
+            raise BadParameter("echo", "echo is not supported for chat completions by this gateway yet")
         top = body.get("top_logprobs")
         if top is not None and not _bool(body, "logprobs", False):
             raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")

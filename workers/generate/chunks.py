@@ -137,7 +137,8 @@ class ChunkBuilder:
             prompt_logprobs=state.prompt_logprobs if first else None,
             output=request.output if first else None,
             reply_topic=request.reply_topic if first else None,
-            request_offset=state.offset if first else None)
+            request_offset=state.offset if first else None,
+            prompt_token_ids=request.prompt_token_ids if first and request.output.echo else None)
 
     def _advance(self, state: InFlight, count: int) -> None:
         """The chunk of the first `count` pending tokens is taken: number the next one."""

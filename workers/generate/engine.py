@@ -142,13 +142,17 @@ class Engine:
             if seq.params.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, logits[offset:offset + p.length], p.start)
                 offset += p.length
-                if p.final:
+                if p.final and seq.max_output > 0:
                     rows.append(offset - 1)
                     seqs.append(seq)
             elif p.final:
-                rows.append(offset)
-                seqs.append(seq)
+                if seq.max_output > 0:
+                    rows.append(offset)
+                    seqs.append(seq)
                 offset += 1
+            if p.final and seq.max_output == 0:  # max_tokens 0: the prompt only (echo, prompt logprobs)
+                outputs.append(self._final_output(seq, "length"))
+                self._release(seq)
         if seqs:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows, device=logits.device)]

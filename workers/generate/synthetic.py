@@ -105,6 +105,13 @@ class SyntheticEngine:
         now_ns = time.time_ns()
         for rid, state in list(self._running.items()):
             p = state.request.sampling
+            if state.max_output == 0:  # max_tokens 0: the prompt only
+                out = RequestOutput(request_id=rid, token_ids=[], finish_reason="length",
+                                    num_prompt_tokens=len(state.request.prompt_token_ids), sampled_at_ns=now_ns)
+                out.prompt_logprobs = self._prompt_logprobs(state.request)
+                outputs.append(out)
+                self._finish(rid)
+                continue
             token = synthetic_token(rid, state.produced, self.vocab_size)
             state.produced += 1
             finish, stop_id = None, None
@@ -119,13 +126,17 @@ class SyntheticEngine:
                                 num_output_tokens=state.produced, sampled_at_ns=now_ns)
             if state.first:
                 state.first = False
-                if p.prompt_logprobs is not None:
-                    out.prompt_logprobs = [None] + [synthetic_row(t, max(p.prompt_logprobs, 1), self.vocab_size).content()
-                                                    for t in state.request.prompt_token_ids[1:]]
+                out.prompt_logprobs = self._prompt_logprobs(state.request)
             outputs.append(out)
             if finish is not None:
                 self._finish(rid)
         return outputs
+
+    def _prompt_logprobs(self, request: GenerateRequest) -> list | None:
+        k = request.sampling.prompt_logprobs
+        if k is None:
+            return None
+        return [None] + [synthetic_row(t, max(k, 1), self.vocab_size).content() for t in request.prompt_token_ids[1:]]
 
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         for item in self._inbox.take():

@@ -1,0 +1,51 @@
+"""What a chunk must satisfy before it is rendered (docs/design.md §5.5, §8): pure.
+
+A chunk comes from a topic anyone with write access can produce to; one that breaks a
+rule ends its request with an error result instead of crashing the derender.
+"""
+
+from __future__ import annotations
+
+from schemas.records import GenerateChunk
+
+
+def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
+                checked_later: int = 0) -> str | None:
+    """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
+
+    `checked_later`: the first n candidates of each position are range-checked by the
+    chat shaping, which looks them up anyway; only the rest are checked here.
+    """
+    ids = chunk.token_ids
+    if chunk.token_offset != generated:
+        return f"token_offset {chunk.token_offset} but {generated} tokens came before"
+    for t in ids:
+        if t >= vocab_size or t < 0:
+            return f"token id {t} out of vocabulary (size {vocab_size})"
+    tail = chunk.prompt_tail_ids
+    # An error chunk is passed on as generate wrote it: its tail seeds nothing, and a bad
+    # prompt id is often the very error it reports.
+    if tail and chunk.finish_reason != "error" and (min(tail) < 0 or max(tail) >= vocab_size):
+        return f"prompt_tail_ids hold an id out of vocabulary (size {vocab_size})"
+    echo = chunk.prompt_token_ids
+    if echo and chunk.finish_reason != "error" and (min(echo) < 0 or max(echo) >= vocab_size):
+        return f"prompt_token_ids hold an id out of vocabulary (size {vocab_size})"
+    if echo is not None and chunk.prompt_logprobs is not None and len(chunk.prompt_logprobs) != len(echo):
+        return f"prompt_logprobs has {len(chunk.prompt_logprobs)} entries for {len(echo)} prompt ids"
+    lp = chunk.logprobs
+    if lp is None or lp.content is None:
+        return None
+    content = lp.content
+    if len(content) != len(ids):
+        return f"logprobs.content has {len(content)} entries for {len(ids)} token ids"
+    for i, pos in enumerate(content):
+        if pos.token_id != ids[i]:
+            return f"logprobs.content[{i}].token_id {pos.token_id} is not the sampled id {ids[i]}"
+        tops = pos.top_logprobs
+        if len(tops) > max_logprobs:
+            return f"position {i} has {len(tops)} top entries, more than max_logprobs={max_logprobs}"
+        if len(tops) > checked_later:
+            for e in tops[checked_later:] if checked_later else tops:
+                if e.token_id >= vocab_size or e.token_id < 0:
+                    return f"top_logprobs id {e.token_id} at position {i} out of vocabulary (size {vocab_size})"
+    return None
