@@ -188,6 +188,10 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert all(isinstance(v, float) for v in choice["logprobs"]["token_logprobs"][1:])
             assert len(choice["logprobs"]["tokens"]) == scored.json()["usage"]["prompt_tokens"]
 
+            broken = await http.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6], [5, 10**6]],
+                                                              "max_tokens": 50, "ignore_eos": True})
+            assert broken.status_code == 400 and "out of range" in broken.json()["error"]["message"]
+
             late = await http.post("/v1/completions", headers={"X-Request-Timeout": "0.001"},
                                    json={"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True})
             assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "abort"

@@ -154,7 +154,7 @@ class Gateway:
                     self._cancel(c.request_id, "the HTTP client went away")
                 return Response(status_code=499)  # nobody reads it
             try:
-                results = done.result()
+                results = self._results(done, choices)
             except GenpipeTimeout as exc:
                 return error_response(504, str(exc), "timeout")
             except GenpipeError as exc:
@@ -169,6 +169,14 @@ class Gateway:
             if not done.done():
                 done.cancel()
             self.in_flight -= 1
+
+    def _results(self, done: asyncio.Future, choices: list) -> list:
+        try:
+            return done.result()
+        except BaseException:
+            for c in choices:  # one choice failed: the others' answers would go unread
+                self._cancel(c.request_id, "another choice of the HTTP request failed")
+            raise
 
     async def _events(self, choices: list, prompt_of: list[int], include_usage: bool):
         """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end;
