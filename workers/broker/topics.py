@@ -54,8 +54,8 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
     Waits up to `timeout` for a broker to answer. Returns once every topic has a leader
     for every partition, so callers can produce immediately.
     """
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaConnectionError
 
     if partitions < 1 or (replication_factor is not None and replication_factor < 1):
         raise ValueError("partitions and replication_factor must be >= 1")
@@ -75,27 +75,7 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
                 raise
             await asyncio.sleep(0.5)
     try:
-        existing = set(await admin.list_topics())
-        missing = [n for n in names if n not in existing]
-        report.existed = [n for n in names if n in existing]
-        if missing:
-            replicas = replication_factor or min(3, len((await admin.describe_cluster())["brokers"]) or 1)
-            configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
-            response = await admin.create_topics(
-                [NewTopic(n, partitions, replicas, topic_configs=configs) for n in missing],
-                timeout_ms=int(timeout * 1000))
-            failures = []
-            for topic, code, *rest in response.topic_errors:
-                error = for_code(code) if code else None
-                if error is None:
-                    report.created.append(topic)
-                elif error is TopicAlreadyExistsError:
-                    report.existed.append(topic)  # someone else created it meanwhile
-                else:
-                    failures.append(f"{topic}: {error.__name__}"
-                                    + (f" ({rest[0]})" if rest and rest[0] else ""))
-            if failures:
-                raise TopicsError("could not create topics: " + "; ".join(failures))
+        report.created, report.existed = await _create_missing(admin, names, partitions, replication_factor, timeout)
         if grow and report.existed:
             await _grow(admin, settings, [n for n in names if n in report.existed], partitions, timeout, report)
         report.partitions = await _wait_for_leaders(admin, names, timeout)
@@ -110,27 +90,48 @@ async def ensure_topic(settings: KafkaSettings, name: str, like: str, timeout: f
     """Create `name` if missing, with the partition count of the topic `like` (a reply
     topic shares the results topic's count, so results keep their partition number)
     and the replication `create_topics` would choose."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError, for_code
+    from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(**settings.with_client_id(f"{settings.client_id}-admin").client_kwargs(),
                                 request_timeout_ms=int(timeout * 1000))
     await admin.start()
     try:
-        if name not in set(await admin.list_topics()):
-            described = await admin.describe_topics([like])
-            partitions = len(described[0]["partitions"]) if described and described[0]["partitions"] else 1
-            replicas = min(3, len((await admin.describe_cluster())["brokers"]) or 1)
-            configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
-            response = await admin.create_topics([NewTopic(name, partitions, replicas, topic_configs=configs)],
-                                                 timeout_ms=int(timeout * 1000))
-            for topic, code, *rest in response.topic_errors:
-                error = for_code(code) if code else None
-                if error is not None and error is not TopicAlreadyExistsError:
-                    raise TopicsError(f"could not create {topic}: {error.__name__}")
+        described = await admin.describe_topics([like])
+        partitions = len(described[0]["partitions"]) if described and described[0]["partitions"] else 1
+        await _create_missing(admin, [name], partitions, None, timeout)
         await _wait_for_leaders(admin, [name], timeout)
     finally:
         await admin.close()
+
+
+async def _create_missing(admin, names: list[str], partitions: int, replication_factor: int | None,
+                          timeout: float) -> tuple[list[str], list[str]]:
+    """Create those of `names` that do not exist: (created, existed). Replication None:
+    min(3, brokers), and min.insync.replicas=2 from three replicas."""
+    from aiokafka.admin import NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    existing = set(await admin.list_topics())
+    missing = [n for n in names if n not in existing]
+    created, existed = [], [n for n in names if n in existing]
+    if not missing:
+        return created, existed
+    replicas = replication_factor or min(3, len((await admin.describe_cluster())["brokers"]) or 1)
+    configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
+    response = await admin.create_topics(
+        [NewTopic(n, partitions, replicas, topic_configs=configs) for n in missing], timeout_ms=int(timeout * 1000))
+    failures = []
+    for topic, code, *rest in response.topic_errors:
+        error = for_code(code) if code else None
+        if error is None:
+            created.append(topic)
+        elif error is TopicAlreadyExistsError:
+            existed.append(topic)  # someone else created it meanwhile
+        else:
+            failures.append(f"{topic}: {error.__name__}" + (f" ({rest[0]})" if rest and rest[0] else ""))
+    if failures:
+        raise TopicsError("could not create topics: " + "; ".join(failures))
+    return created, existed
 
 
 async def _grow(admin, settings: KafkaSettings, existing: list[str], partitions: int, timeout: float,
