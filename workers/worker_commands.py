@@ -108,6 +108,9 @@ def _run_derender(args: argparse.Namespace) -> int:
 
 def _ready(name: str):
     def announce() -> None:
+        from workers.gc_tuning import tune_after_startup
+
+        tune_after_startup()  # start-up is over: what it built leaves the collector's sight
         logging.getLogger("genpipe").info("%s worker ready (partitions assigned)", name)
     return announce
 
