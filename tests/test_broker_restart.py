@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow,
 
 # Neither the session broker (19092) nor the life-cycle test's (29092).
 RESTART_PORT = 29192
+DOWN_PORT = 29292  # the gateway's broker that goes away
 PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "東京の天気は", "Hello! 👋 How are",
            "Die Straße war", "¿Dónde está", "The little fox said"]
 
@@ -88,3 +90,41 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
     expected = uninterrupted_texts(tiny_model_dir, requests)
     for request, text in zip(requests, texts):
         assert text == expected[request.request_id], request.request_id
+
+
+async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_model_dir, tmp_path):
+    """`genpipe serve` with its broker gone: /health and every request say 503 within the
+    send timeout, in OpenAI's error shape, instead of hanging on the producer's retries."""
+    import httpx
+
+    from tests.test_gateway_restarts import gateway
+    from workers.broker import local
+
+    if local.answers(DOWN_PORT):
+        pytest.skip(f"something already answers on port {DOWN_PORT}")
+    data_dir = tmp_path / "broker"
+    info = await asyncio.to_thread(local.broker_up, port=DOWN_PORT, data_dir=data_dir, timeout=120, quiet=True)
+    settings = dataclasses.replace(KafkaSettings(), bootstrap_servers=info.bootstrap_servers, topic_prefix="down")
+    try:
+        await make_topics(settings, partitions=1)
+        async with gateway(settings, str(tiny_model_dir), send_timeout_s=3) as base, \
+                httpx.AsyncClient(base_url=base, timeout=60) as http:
+            await asyncio.to_thread(local.broker_down, port=DOWN_PORT, data_dir=data_dir)
+            health = await http.get("/health")
+            assert health.status_code == 503 and "does not answer" in health.json()["reason"]
+            body = {"model": "tiny", "prompt": "Once", "max_tokens": 3}
+            answer = await http.post("/v1/completions", json=body)
+            assert answer.status_code == 503, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "service_unavailable" and "is it reachable" in error["message"]
+            events = []
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[len("data: "):]))
+            assert len(events) == 1 and events[0]["error"]["code"] == 503  # the stream says why, and ends
+            # Kafka back before the gateway stops: its producer still holds the refused records
+            # (they may yet be delivered) and aiokafka's stop() waits for them.
+            await asyncio.to_thread(local.broker_up, port=DOWN_PORT, data_dir=data_dir, timeout=120, quiet=True)
+    finally:
+        await asyncio.to_thread(local.broker_down, port=DOWN_PORT, data_dir=data_dir)

@@ -28,13 +28,13 @@ PROMPT = [1, 5, 6]
 
 
 @contextlib.asynccontextmanager
-async def gateway(settings: KafkaSettings, tokenizer: str):
+async def gateway(settings: KafkaSettings, tokenizer: str, **config):
     import uvicorn
 
     from workers.gateway.app import Gateway, GatewayConfig
 
     port = _free_port()
-    app = Gateway(settings, GatewayConfig(tokenizer=tokenizer, model_name="tiny", gateway_id="restarts"))
+    app = Gateway(settings, GatewayConfig(tokenizer=tokenizer, model_name="tiny", gateway_id="restarts", **config))
     server = uvicorn.Server(uvicorn.Config(app.app(), host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     try:

@@ -58,6 +58,9 @@ from workers.kafka.settings import KafkaSettings
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+# Kafka must acknowledge a sent request within this long; a producer left to itself keeps
+# retrying an unreachable broker for minutes, and a caller needs to hear it is down.
+DEFAULT_SEND_TIMEOUT_S = 15.0
 # The follower starts this far before "now" (clock skew between client and broker; the
 # position is resolved before any request is sent, so nothing sent later is missed).
 SINCE_MARGIN_S = 5.0
@@ -92,6 +95,28 @@ class GenpipeTimeout(GenpipeError, TimeoutError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class GenpipeUnavailable(GenpipeError, ConnectionError):
+    """Kafka did not acknowledge a request (or a cancel) within the client's send timeout."""
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message, "service_unavailable", code=503, request_id=request_id)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+async def _stop(kafka_client) -> None:
+    """Stop an aiokafka client. With the broker gone, aiokafka 0.14's consumer re-raises the
+    cancellation of its own fetch task from stop(); that one is not ours to pass on."""
+    try:
+        await kafka_client.stop()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
 
 
 # --- what the client hands out ------------------------------------------------------
@@ -377,18 +402,21 @@ class GenpipeClient:
     client listens on: by default the shared results topic `<prefix>.results`
     (filtered by request id); with another one, requests without a `reply_topic` are
     sent with this one. `timeout_s` bounds the wait for each next result record of a
-    request (a request that keeps producing results never times out).
+    request (a request that keeps producing results never times out). `send_timeout_s`
+    bounds the wait for Kafka to acknowledge a request or a cancel: past it the call
+    raises `GenpipeUnavailable` (the record may still be delivered once Kafka is back).
     """
 
     def __init__(self, bootstrap_servers: str | None = None, *, settings: KafkaSettings | None = None,
                  reply_topic: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 cancel_on_abandon: bool = True):
+                 cancel_on_abandon: bool = True, send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S):
         settings = settings if settings is not None else KafkaSettings.from_env()
         if bootstrap_servers:
             settings = dataclasses.replace(settings, bootstrap_servers=bootstrap_servers)
         self.settings = settings
         self.reply_topic = reply_topic or settings.topic("results")
         self.timeout_s = float(timeout_s)
+        self.send_timeout_s = float(send_timeout_s)
         self.cancel_on_abandon = cancel_on_abandon
         self._producer = None
         self._consumer = None
@@ -440,10 +468,12 @@ class GenpipeClient:
         self._fail_waiting(None)
         producer, consumer = self._producer, self._consumer
         self._producer = self._consumer = None
-        if consumer is not None:
-            await consumer.stop()
-        if producer is not None:
-            await producer.stop()
+        try:
+            if consumer is not None:
+                await _stop(consumer)
+        finally:
+            if producer is not None:
+                await _stop(producer)
 
     def _fail_waiting(self, error: BaseException | None) -> None:
         self._closed = _Closed(error)
@@ -487,16 +517,27 @@ class GenpipeClient:
     async def submit(self, request: GenerateRequest) -> None:
         """Send a request without waiting for its results (they go to its reply topic)."""
         self._require_started()
-        await self._producer.send_and_wait(
-            self.settings.topic("requests"), encode(request), key=request.request_id.encode(),
-            headers=headers_for(request))
+        await self._send("requests", request, request.request_id)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         """Ask the generate workers to stop a request (it ends with finish_reason=abort)."""
         self._require_started()
-        record = Cancel(request_id=request_id, reason=reason)
-        await self._producer.send_and_wait(self.settings.topic("cancel"), encode(record),
-                                           key=request_id.encode(), headers=headers_for(record))
+        await self._send("cancel", Cancel(request_id=request_id, reason=reason), request_id)
+
+    async def _send(self, role: str, record, request_id: str) -> None:
+        from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+
+        topic = self.settings.topic(role)
+        try:
+            await asyncio.wait_for(self._producer.send_and_wait(
+                topic, encode(record), key=request_id.encode(), headers=headers_for(record)), self.send_timeout_s)
+        except (asyncio.TimeoutError, KafkaTimeoutError, KafkaConnectionError) as exc:
+            # (other Kafka errors, e.g. a topic the ACLs refuse, are the caller's to see as they are)
+            why = "no acknowledgement" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+            raise GenpipeUnavailable(
+                f"Kafka at {self.settings.bootstrap_servers} did not take the {role} record of request "
+                f"{request_id} within {self.send_timeout_s:g} s ({why}); is it reachable?",
+                request_id=request_id) from exc
 
     # --- receiving -------------------------------------------------------------------
 
@@ -650,7 +691,7 @@ def record_json(message, *, include_position: bool = True) -> bytes:
 
 
 __all__ = [
-    "GenpipeClient", "GenpipeError", "GenpipeTimeout", "Restart", "ResultMessage", "AttemptFilter",
+    "GenpipeClient", "GenpipeError", "GenpipeTimeout", "GenpipeUnavailable", "Restart", "ResultMessage", "AttemptFilter",
     "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
     "text_of", "raise_for_error", "load_tokenizer",
 ]

@@ -46,6 +46,7 @@ class GatewayConfig:
     max_in_flight: int = 1024  # open requests at most; more get 429
     max_logprobs: int = 20
     timeout_s: float = 120.0  # no result for this long: 504
+    send_timeout_s: float = 15.0  # Kafka took no request for this long: 503
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
 
 
@@ -64,7 +65,8 @@ class Gateway:
         self.settings = settings
         self.config = config
         self.reply_topic = f"{settings.topic_prefix}.reply.{config.gateway_id}"
-        self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s)
+        self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s,
+                                    send_timeout_s=config.send_timeout_s)
         self.in_flight = 0
         self._background: set[asyncio.Task] = set()
         self.max_model_len = _max_model_len(config.tokenizer)
@@ -254,7 +256,12 @@ class Gateway:
         # Not awaited here: this runs while the response's task is being cancelled.
         task = asyncio.ensure_future(self.client.cancel(request_id, reason))
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._cancel_sent)
+
+    def _cancel_sent(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the request runs to its end
+            log.warning("%s", task.exception())
 
     # --- the rest ------------------------------------------------------------------------
 
@@ -267,9 +274,10 @@ class Gateway:
         from workers.kafka.groups import missing_workers
 
         try:
-            missing = await asyncio.wait_for(missing_workers(self.settings), 10)
-        except Exception as exc:
-            return Response(_json.encode({"status": "unavailable", "reason": f"Kafka: {exc}"}), status_code=503,
+            missing = await asyncio.wait_for(missing_workers(self.settings, raise_errors=True), 10)
+        except Exception as exc:  # Kafka unreachable: nothing can be served
+            reason = f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}"
+            return Response(_json.encode({"status": "unavailable", "reason": reason}), status_code=503,
                             media_type="application/json")
         if missing:
             return Response(_json.encode({"status": "unavailable", "reason": "; ".join(missing)}), status_code=503,

@@ -49,13 +49,16 @@ async def group_states(settings: KafkaSettings, group_ids: list[str],
     return states
 
 
-async def missing_workers(settings: KafkaSettings) -> list[str]:
+async def missing_workers(settings: KafkaSettings, *, raise_errors: bool = False) -> list[str]:
     """The default worker groups of this prefix that have no member right now, as phrases
-    for a user ("no generate worker"); [] when both have members or the broker cannot say."""
+    for a user ("no generate worker"); [] when both have members or (unless
+    `raise_errors`) the broker cannot say."""
     groups = {f"{settings.topic_prefix}-generate": "generate", f"{settings.topic_prefix}-derender": "derender"}
     try:
         members = await group_members(settings, list(groups))
     except (KafkaError, asyncio.TimeoutError, OSError):
+        if raise_errors:
+            raise
         return []
     return [f"no {role} worker (consumer group {group} has no members)"
             for group, role in groups.items() if not members.get(group)]
