@@ -128,6 +128,7 @@ def _docker_kafka():
     container = (DockerContainer(TEST_KAFKA_IMAGE, env=env)
                  .with_bind_ports(9094, port)
                  .waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120)))
+    container.ports["9094"] = ("127.0.0.1", port)  # docker-py's form: publish on loopback only
     with container:
         deadline = time.monotonic() + 30  # the log line comes just before it answers
         while not answers(port, timeout=2):

@@ -74,12 +74,13 @@ if wants kafka; then
 fi
 
 if wants genpipe; then
-  pip_args=""
-  [ "${GENPIPE_PIP_DIRECT:-0}" = 1 ] && pip_args="direct"
-  hash="$(inputs_hash "$pip_args" Dockerfile .dockerignore pyproject.toml README.md schemas workers)"
+  port="${GENPIPE_WHEELHOUSE_PORT:-38765}"
+  pip_args="--no-index --find-links http://127.0.0.1:$port/ --trusted-host 127.0.0.1"
+  [ "${GENPIPE_PIP_DIRECT:-0}" = 1 ] && pip_args=""
+  hash="$(inputs_hash "PIP_ARGS=$pip_args" Dockerfile .dockerignore pyproject.toml README.md schemas workers)"
   if up_to_date "$GENPIPE_IMAGE" "$hash"; then
     log "$GENPIPE_IMAGE: up to date"
-  elif [ -n "$pip_args" ]; then
+  elif [ -z "$pip_args" ]; then
     build "$GENPIPE_IMAGE" "$hash" Dockerfile .
   else
     # pip inside the build gets every wheel from a wheelhouse the host's pip fills (and
@@ -90,17 +91,15 @@ if wants genpipe; then
     log "wheelhouse $wheels: pip download"
     python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
       | python3 -m pip download -q -d "$wheels" -r /dev/stdin "setuptools>=68" wheel
-    python3 ops/docker/serve_dir.py "$wheels" "${GENPIPE_WHEELHOUSE_PORT:-38765}" >"$CACHE/docker/wheelhouse.port" &
+    python3 ops/docker/serve_dir.py "$wheels" "$port" >"$CACHE/docker/wheelhouse.port" &
     server=$!
     trap 'kill "$server" 2>/dev/null || true' EXIT
     for _ in $(seq 100); do  # until it listens (or exits: port taken)
       [ -s "$CACHE/docker/wheelhouse.port" ] || ! kill -0 "$server" 2>/dev/null && break
       sleep 0.1
     done
-    port="$(cat "$CACHE/docker/wheelhouse.port")"
-    [ -n "$port" ] || { echo "error: the wheelhouse server did not start" >&2; exit 1; }
-    build "$GENPIPE_IMAGE" "$hash" Dockerfile . --build-arg \
-      "PIP_ARGS=--no-index --find-links http://127.0.0.1:$port/ --trusted-host 127.0.0.1"
+    [ -s "$CACHE/docker/wheelhouse.port" ] || { echo "error: the wheelhouse server did not start" >&2; exit 1; }
+    build "$GENPIPE_IMAGE" "$hash" Dockerfile . --build-arg "PIP_ARGS=$pip_args"
     kill "$server" 2>/dev/null || true
   fi
 fi
