@@ -44,10 +44,15 @@ up_to_date() {  # up_to_date IMAGE HASH
 }
 build() {  # build IMAGE HASH DOCKERFILE CONTEXT [docker build args...]
   local image="$1" hash="$2" dockerfile="$3" context="$4"; shift 4
-  local start=$SECONDS
+  local start=$SECONDS old
+  old="$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
   log "$image: building (inputs $hash)"
   docker build --network host -q -f "$dockerfile" --build-arg "BASE=$BASE" \
     --label "genpipe.inputs=$hash" -t "$image" "$@" "$context" >/dev/null
+  # The image this one replaces (now untagged): drop it, keeping the layers still used.
+  if [ -n "$old" ] && [ "$old" != "$(docker image inspect -f '{{.Id}}' "$image")" ]; then
+    docker image rm "$old" >/dev/null 2>&1 || true
+  fi
   log "$image: built in $((SECONDS - start)) s, $(docker image inspect -f '{{.Size}}' "$image" | numfmt --to=iec)"
 }
 
@@ -88,9 +93,13 @@ if wants genpipe; then
     wheels="$CACHE/wheelhouse"
     mkdir -p "$wheels" "$CACHE/docker"
     rm -f "$CACHE/docker/wheelhouse.port"
-    log "wheelhouse $wheels: pip download"
-    python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
-      | python3 -m pip download -q -d "$wheels" -r /dev/stdin "setuptools>=68" wheel
+    reqs="$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))'
+            printf 'setuptools>=68\nwheel\n')"
+    if [ "$(cat "$wheels/.genpipe-requirements" 2>/dev/null)" != "$reqs" ]; then
+      log "wheelhouse $wheels: pip download"
+      python3 -m pip download -q -d "$wheels" -r /dev/stdin <<<"$reqs"
+      printf '%s\n' "$reqs" >"$wheels/.genpipe-requirements"
+    fi
     python3 ops/docker/serve_dir.py "$wheels" "$port" >"$CACHE/docker/wheelhouse.port" &
     server=$!
     trap 'kill "$server" 2>/dev/null || true' EXIT
