@@ -48,7 +48,8 @@ build() {  # build IMAGE HASH DOCKERFILE CONTEXT [docker build args...]
   old="$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
   log "$image: building (inputs $hash)"
   docker build --network host -q -f "$dockerfile" --build-arg "BASE=$BASE" \
-    --label "genpipe.inputs=$hash" -t "$image" "$@" "$context" >/dev/null
+    --label "genpipe.inputs=$hash" -t "$image" "$@" "$context" >/dev/null \
+    2> >(grep -vE 'DEPRECATED: The legacy builder|Install the buildx|docs.docker.com/go/buildx|^$' >&2)
   # The image this one replaces (now untagged): drop it, keeping the layers still used.
   if [ -n "$old" ] && [ "$old" != "$(docker image inspect -f '{{.Id}}' "$image")" ]; then
     docker image rm "$old" >/dev/null 2>&1 || true
@@ -71,8 +72,9 @@ if wants kafka; then
     rm -rf "$ctx" && mkdir -p "$ctx"
     libs="$(python3 -c 'from workers.broker.local import ensure_jars; print(ensure_jars(quiet=True))')"
     cp -r "$libs" "$ctx/libs"
-    mvn -q -B -Dstyle.color=never dependency:copy -DoutputDirectory="$ctx/libs" \
-      -Dartifact="org.apache.kafka:kafka-tools:$KAFKA_VERSION" </dev/null
+    out="$(mvn -q -B -Dstyle.color=never dependency:copy -DoutputDirectory="$ctx/libs" \
+      -Dartifact="org.apache.kafka:kafka-tools:$KAFKA_VERSION" </dev/null 2>&1)" \
+      || { echo "$out" >&2; echo "error: Maven could not fetch kafka-tools $KAFKA_VERSION" >&2; exit 1; }
     cp ops/kafka/docker/* "$ctx/"
     build "$KAFKA_IMAGE" "$hash" ops/kafka/Dockerfile "$ctx"
   fi
