@@ -2,9 +2,12 @@
 
 Kafka comes from, in order (docs/design.md §7):
 1. ``GENPIPE_BOOTSTRAP_SERVERS`` if set (any broker; GENPIPE_* SASL/SSL settings apply);
-2. testcontainers' Kafka when a Docker engine answers *and* it has the image
-   (``GENPIPE_TEST_KAFKA_IMAGE``) locally: no registry is needed, and a machine without
-   one falls back (saying so once) instead of failing every Kafka test on a pull;
+2. testcontainers when a Docker engine answers *and* it has the image
+   ``GENPIPE_TEST_KAFKA_IMAGE`` (default ``genpipe/kafka:<pom version>``, built by
+   ``ops/docker/build-images.sh`` from ops/kafka/Dockerfile) locally: no registry is
+   needed, and a machine without it falls back (saying so once) instead of failing every
+   Kafka test on a pull. The container's EXTERNAL listener is mapped to a free host port
+   and advertised as 127.0.0.1:<that port>;
 3. the local broker from ``ops/kafka`` (``genpipe broker up``) on port 19092, started
    once and stopped at session end only if this session started it.
 ``GENPIPE_TEST_KAFKA=docker`` or ``=local`` forces 2 or 3 (``auto``, the default, chooses).
@@ -22,11 +25,13 @@ import dataclasses
 import os
 import socket
 import sys
+import time
 import uuid
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from workers.broker.local import kafka_version
 from workers.kafka.settings import KafkaSettings
 
 # Property tests keep their random examples, but a slow or busy machine (2 shared cores
@@ -35,8 +40,29 @@ settings.register_profile("genpipe", deadline=None, suppress_health_check=[Healt
 settings.load_profile("genpipe")
 
 TEST_BROKER_PORT = int(os.environ.get("GENPIPE_TEST_BROKER_PORT", "19092"))
-# The default testcontainers image, in KRaft mode; override for a 4.x broker.
-TEST_KAFKA_IMAGE = os.environ.get("GENPIPE_TEST_KAFKA_IMAGE", "confluentinc/cp-kafka:7.6.0")
+# Our Kafka image (ops/kafka/Dockerfile; configured like apache/kafka, see below).
+TEST_KAFKA_IMAGE = os.environ.get("GENPIPE_TEST_KAFKA_IMAGE", f"genpipe/kafka:{kafka_version()}")
+# The container's broker: clients in the container use PLAINTEXT (:9092), the tests reach
+# EXTERNAL (:9094) through a host port; settings as the local broker's (broker/local.py).
+TEST_KAFKA_ENV = {
+    "CLUSTER_ID": "Z2VucGlwZS10ZXN0LWthZmthMQ",
+    "KAFKA_NODE_ID": "1",
+    "KAFKA_PROCESS_ROLES": "broker,controller",
+    "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@localhost:9093",
+    "KAFKA_LISTENERS": "PLAINTEXT://:9092,CONTROLLER://:9093,EXTERNAL://:9094",
+    "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,EXTERNAL:PLAINTEXT",
+    "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
+    "KAFKA_INTER_BROKER_LISTENER_NAME": "PLAINTEXT",
+    "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
+    "KAFKA_OFFSETS_TOPIC_NUM_PARTITIONS": "4",
+    "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
+    "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
+    "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR": "1",
+    "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR": "1",
+    "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
+    "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
+    "KAFKA_HEAP_OPTS": "-Xms256m -Xmx512m",
+}
 
 
 def _docker_socket_connects() -> bool:
@@ -80,6 +106,41 @@ def _docker_kafka_image() -> str | None:
         return f"Docker did not answer: {exc}"
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _docker_kafka():
+    """Run TEST_KAFKA_IMAGE with testcontainers; yield its bootstrap servers, then stop it."""
+    # Read by testcontainers at import: no Ryuk reaper (its image needs a pull); we stop
+    # the container ourselves. Clients use 127.0.0.1 and the mapped port, never the
+    # address get_container_host_ip() gives (the Docker bridge's).
+    os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+
+    from workers.broker.local import answers
+
+    port = _free_port()
+    env = dict(TEST_KAFKA_ENV, KAFKA_ADVERTISED_LISTENERS=f"PLAINTEXT://localhost:9092,EXTERNAL://127.0.0.1:{port}")
+    container = (DockerContainer(TEST_KAFKA_IMAGE, env=env)
+                 .with_bind_ports(9094, port)
+                 .waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120)))
+    container.ports["9094"] = ("127.0.0.1", port)  # docker-py's form: publish on loopback only
+    with container:
+        deadline = time.monotonic() + 30  # the log line comes just before it answers
+        while not answers(port, timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{TEST_KAFKA_IMAGE} logged that it started but 127.0.0.1:{port} does "
+                            f"not answer as Kafka; its log:\n{container.get_logs()[0].decode()[-3000:]}",
+                            pytrace=False)
+            time.sleep(0.25)
+        print(f"\nKafka for the tests: {TEST_KAFKA_IMAGE} in Docker on 127.0.0.1:{port}", file=sys.stderr)
+        yield f"127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap():
     """Bootstrap servers (str) of the session's Kafka broker."""
@@ -92,14 +153,7 @@ def kafka_bootstrap():
         pytest.fail(f"GENPIPE_TEST_KAFKA={choice!r}: expected auto, docker or local", pytrace=False)
     why_not = _docker_kafka_image() if choice != "local" else "GENPIPE_TEST_KAFKA=local"
     if why_not is None:
-        # Read by testcontainers at import: reach the container through its port mapped on
-        # loopback (never a bridge address), and no Ryuk reaper (its image needs a pull).
-        os.environ.setdefault("TC_HOST", "127.0.0.1")
-        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
-        from testcontainers.community.kafka import KafkaContainer
-
-        with KafkaContainer(TEST_KAFKA_IMAGE).with_kraft() as container:
-            yield container.get_bootstrap_server()
+        yield from _docker_kafka()
         return
     if choice == "docker":
         pytest.fail(f"GENPIPE_TEST_KAFKA=docker, but {why_not}", pytrace=False)

@@ -118,6 +118,13 @@ def compose() -> dict:
     return load_yaml(COMPOSE)
 
 
+def compose_default(value: str) -> str:
+    """A compose value with every `${VAR:-default}` replaced by its default (what a plain
+    `docker compose up` uses); a `${VAR}` without a default fails the test."""
+    assert not re.search(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", value), f"{value!r}: a variable without a default"
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}", r"\1", value)
+
+
 def genpipe_image(services: dict) -> str:
     built = {svc["image"] for svc in services.values() if "build" in svc and "image" in svc}
     assert len(built) == 1, f"expected one service that builds the genpipe image, got {built}"
@@ -265,16 +272,34 @@ def test_compose_generate_has_a_gpu():
     assert services["derender"]["deploy"]["replicas"] == 2
 
 
+def test_compose_kafka_runs_either_image():
+    """apache/kafka by default, genpipe/kafka (ops/kafka/Dockerfile) with
+    GENPIPE_KAFKA_IMAGE: same Kafka version, and the healthcheck's tool exists in both."""
+    from workers.broker.local import kafka_version
+
+    kafka = compose()["services"]["kafka"]
+    assert compose_default(kafka["image"]) == f"apache/kafka:{kafka_version()}"
+    assert "${GENPIPE_KAFKA_IMAGE:-" in kafka["image"]
+    tool = Path(kafka["healthcheck"]["test"][1])
+    assert tool.parent == Path("/opt/kafka/bin")
+    assert (ROOT / "ops" / "kafka" / "docker" / tool.name).exists(), f"genpipe/kafka has no {tool}"
+    # The host port and the address advertised to host clients move together.
+    (port,) = kafka["ports"]
+    assert compose_default(port) == "127.0.0.1:9092:9094"
+    host_port = port[len("127.0.0.1:"):port.rindex(":")]  # "${GENPIPE_KAFKA_PORT:-9092}"
+    assert f"EXTERNAL://127.0.0.1:{host_port}" in kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+
+
 def test_compose_monitoring_services():
     services = compose()["services"]
     prom = services["prometheus"]
-    assert prom["image"].startswith("prom/prometheus")
+    assert compose_default(prom["image"]).startswith("prom/prometheus")
     assert "./ops/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
-    assert any(p.endswith(":9090") for p in prom["ports"])
+    assert any(compose_default(p) == "127.0.0.1:9090:9090" for p in prom["ports"])
 
     graf = services["grafana"]
-    assert graf["image"].startswith("grafana/grafana")
+    assert compose_default(graf["image"]).startswith("grafana/grafana")
     env = graf["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     mounts = {m.split(":")[0]: m.split(":")[1] for m in graf["volumes"]}
@@ -282,7 +307,7 @@ def test_compose_monitoring_services():
     home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     dash_dir = mounts["./ops/grafana/dashboards"]
     assert home.startswith(dash_dir + "/") and (GRAFANA / "dashboards" / Path(home).name).exists()
-    assert any(p.endswith(":3000") for p in graf["ports"])
+    assert any(compose_default(p) == "127.0.0.1:3000:3000" for p in graf["ports"])
 
 
 # ---- Prometheus --------------------------------------------------------------------------

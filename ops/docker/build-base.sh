@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A Debian bookworm base image made locally, for machines that cannot pull from an image
+# registry: debootstrap (minbase) into a temporary directory, then `docker import`.
+# Both Dockerfiles take `ARG BASE`; with a registry, use debian:bookworm-slim instead.
+#
+#   ops/docker/build-base.sh [IMAGE]      # default genpipe/debian:bookworm; no-op if present
+#
+# Env: GENPIPE_DEBIAN_MIRROR (default: the mirror apt already uses for bookworm, else
+# http://deb.debian.org/debian). Needs root, debootstrap and a Docker engine.
+set -euo pipefail
+
+IMAGE="${1:-${GENPIPE_BASE_IMAGE:-genpipe/debian:bookworm}}"
+
+if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  echo "base image $IMAGE: present"
+  exit 0
+fi
+command -v debootstrap >/dev/null || {
+  echo "error: debootstrap not found (apt-get install -y debootstrap)" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "error: debootstrap needs root" >&2; exit 1; }
+
+apt_mirror() {  # the first http(s) Debian mirror apt is configured with, if any
+  grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+      /etc/apt/sources.list.d/*.sources 2>/dev/null \
+    | grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -n1
+}
+MIRROR="${GENPIPE_DEBIAN_MIRROR:-$(apt_mirror || true)}"
+MIRROR="${MIRROR:-http://deb.debian.org/debian}"
+
+ROOTFS="$(mktemp -d /tmp/genpipe-rootfs.XXXXXX)"
+trap 'rm -rf "$ROOTFS"' EXIT
+echo "base image $IMAGE: debootstrap --variant=minbase bookworm from $MIRROR"
+debootstrap --variant=minbase bookworm "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1 || {
+  tail -n 20 "$ROOTFS.log" >&2; rm -f "$ROOTFS.log"
+  echo "error: debootstrap failed" >&2; exit 1; }
+rm -f "$ROOTFS.log"
+# Like the registry image: no apt lists or caches in the layer.
+rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/cache/apt/archives/*.deb
+tar -C "$ROOTFS" -c . | docker import \
+  --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+  --change 'CMD ["bash"]' \
+  --message "debootstrap --variant=minbase bookworm $MIRROR" - "$IMAGE" >/dev/null
+echo "base image $IMAGE: built ($(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec))"
