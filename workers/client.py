@@ -18,42 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import AsyncIterator
 
 import msgspec
 
-from schemas import (
-    JSON,
-    Cancel,
-    ChatCompletion,
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionLogProbs,
-    ChatMessage,
-    Completion,
-    CompletionChoice,
-    CompletionLogProbs,
-    DecodeError,
-    ErrorInfo,
-    ErrorResponse,
-    GenerateRequest,
-    OutputOptions,
-    RecordError,
-    SamplingParams,
-    encode,
-    header_value,
-    headers_for,
-)
-from schemas.codec import HEADER_SCHEMA, content_type_of, decode, schema_header
-from schemas.openai import RESULT_TYPES, OpenAIResult, ResultRecord
+from schemas import (Cancel, ChatCompletion, Completion, DecodeError, ErrorInfo, ErrorResponse, GenerateRequest,
+                     RecordError, encode, header_value, headers_for)
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
+# The library's public names live in two modules of their own; `workers.client` is
+# where users import them from (README "From Python").
+from workers.requests import load_tokenizer, make_request, render_chat, render_prompt
+from workers.results import (AttemptFilter, GenpipeError, GenpipeTimeout, GenpipeUnavailable, Restart, Result,
+                             ResultMessage, assemble, decode_result, raise_for_error, record_json, text_of)
 
 log = logging.getLogger(__name__)
 
@@ -64,324 +43,6 @@ DEFAULT_SEND_TIMEOUT_S = 15.0
 # The follower starts this far before "now" (clock skew between client and broker; the
 # position is resolved before any request is sent, so nothing sent later is missed).
 SINCE_MARGIN_S = 5.0
-
-Result = ResultRecord  # what decode_result returns (schemas/openai.py)
-
-
-# --- errors ------------------------------------------------------------------------
-
-
-class GenpipeError(Exception):
-    """The pipeline answered the request with an OpenAI error object."""
-
-    def __init__(self, message: str, type: str = "server_error", *, code: int | str | None = None,
-                 param: str | None = None, request_id: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.request_id = request_id
-
-    def __str__(self) -> str:
-        return f"{self.type}: {self.message}"
-
-
-class GenpipeTimeout(GenpipeError, TimeoutError):
-    """No (further) result arrived for a request within the client's timeout."""
-
-    def __init__(self, message: str, *, request_id: str | None = None):
-        super().__init__(message, "timeout", request_id=request_id)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class GenpipeUnavailable(GenpipeError, ConnectionError):
-    """Kafka did not acknowledge a request (or a cancel) within the client's send timeout."""
-
-    def __init__(self, message: str, *, request_id: str | None = None):
-        super().__init__(message, "service_unavailable", code=503, request_id=request_id)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-async def _stop(kafka_client) -> None:
-    """Stop an aiokafka client. With the broker gone, aiokafka 0.14's consumer re-raises the
-    cancellation of its own fetch task from stop(); that one is not ours to pass on."""
-    try:
-        await kafka_client.stop()
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
-
-
-# --- what the client hands out ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Restart:
-    """Yielded by `GenpipeClient.stream()` when the request started over.
-
-    Everything yielded for the request before this marker belongs to an attempt that was
-    abandoned (its generate worker died); discard it. The records that follow are the new
-    attempt's, from its beginning.
-    """
-
-    request_id: str
-    attempt: str | None
-
-
-@dataclass(frozen=True)
-class ResultMessage:
-    """One accepted (deduplicated) result record, as `GenpipeClient.records()` yields it."""
-
-    request_id: str
-    value: Result  # the decoded OpenAI object or error
-    raw: bytes  # the record value exactly as published
-    headers: list[tuple[str, bytes]]
-    attempt: str | None
-    seq: int | None
-    final: bool
-    restart: bool  # first record of an attempt that replaces one already delivered
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int  # ms
-
-    def header(self, name: str) -> str | None:
-        return header_value(self.headers, name)
-
-
-# --- decoding result records --------------------------------------------------------
-
-_RESULT_TYPES: dict[str, Any] = {schema_header(t): t for t in RESULT_TYPES}
-
-
-def decode_result(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None) -> Result:
-    """Decode a results-topic value by its `genpipe-schema` header (sniffed when absent).
-
-    Raises schemas DecodeError / ValidationError.
-    """
-    headers = list(headers or ())
-    content_type = content_type_of(data, headers)
-    record_type = _RESULT_TYPES.get(header_value(headers, HEADER_SCHEMA) or "")
-    if record_type is not None:
-        return decode(data, record_type, content_type)
-    try:
-        return decode(data, OpenAIResult, content_type)
-    except RecordError:
-        return decode(data, ErrorResponse, content_type)
-
-
-# --- dedupe / restart rules (pure) ---------------------------------------------------
-
-
-class AttemptFilter:
-    """Which records of one request to show: drops duplicates and superseded attempts.
-
-    `accept(attempt, seq, restart_header)` returns None to drop the record, else whether
-    it starts a new attempt that replaces one already shown (a restart).
-    """
-
-    def __init__(self) -> None:
-        self.current: str | None = None
-        self.last_seq = -1
-        self.superseded: set[str] = set()
-        self.accepted = 0
-
-    def accept(self, attempt: str | None, seq: int | None, restart_header: bool = False) -> bool | None:
-        if attempt is None or seq is None:  # not a genpipe derender record: nothing to go by
-            self.accepted += 1
-            return False
-        if self.current is None:
-            self.current, self.last_seq = attempt, seq
-            self.accepted += 1
-            return False  # nothing shown yet: nothing to discard
-        if attempt == self.current:
-            if seq <= self.last_seq:
-                return None  # duplicate
-            self.last_seq = seq
-            self.accepted += 1
-            return False
-        if attempt in self.superseded:
-            return None
-        if restart_header or seq == 0:
-            self.superseded.add(self.current)
-            self.current, self.last_seq = attempt, seq
-            self.accepted += 1
-            return True
-        log.debug("dropping record of unknown attempt %r seq %d (current %r)", attempt, seq, self.current)
-        return None
-
-
-# --- assembling a final object from a stream -----------------------------------------
-
-
-def assemble(items: Sequence[Result]) -> Result:
-    """The final object of one attempt's records.
-
-    A single `chat.completion` / `text_completion` / error is returned as is; streamed
-    `chat.completion.chunk`s become one `chat.completion`, streamed `text_completion`s one
-    `text_completion` (text and logprobs concatenated; finish_reason and usage from the
-    last record that has them).
-    """
-    if not items:
-        raise ValueError("no result records to assemble")
-    last = items[-1]
-    if len(items) == 1 and not isinstance(last, ChatCompletionChunk):
-        return last
-    if isinstance(last, ErrorResponse):
-        return last
-    first = items[0]
-    usage = next((i.usage for i in reversed(items) if getattr(i, "usage", None) is not None), None)
-    finish = next((i.choices[0].finish_reason for i in reversed(items)
-                   if i.choices and i.choices[0].finish_reason is not None), None)
-    if isinstance(first, ChatCompletionChunk):
-        text, content, has_lp = [], [], False
-        for item in items:
-            for choice in item.choices:
-                text.append(choice.delta.content or "")
-                if choice.logprobs is not None:
-                    has_lp = True
-                    content.extend(choice.logprobs.content or ())
-        return ChatCompletion(
-            id=first.id, created=first.created, model=first.model,
-            choices=[ChatCompletionChoice(
-                message=ChatMessage(content="".join(text)),
-                logprobs=ChatCompletionLogProbs(content=content) if has_lp else None,
-                finish_reason=finish)],
-            usage=usage)
-    if isinstance(first, Completion):
-        text, lp = [], None
-        for item in items:
-            for choice in item.choices:
-                text.append(choice.text)
-                if choice.logprobs is not None:
-                    lp = lp or CompletionLogProbs()
-                    lp.text_offset.extend(choice.logprobs.text_offset)
-                    lp.token_logprobs.extend(choice.logprobs.token_logprobs)
-                    lp.tokens.extend(choice.logprobs.tokens)
-                    lp.top_logprobs.extend(choice.logprobs.top_logprobs)
-        return Completion(
-            id=first.id, created=first.created, model=first.model,
-            choices=[CompletionChoice(text="".join(text), logprobs=lp, finish_reason=finish)],
-            usage=usage)
-    return last
-
-
-def text_of(item: Result) -> str:
-    """The text an item adds (a delta, a completion piece, or a final message)."""
-    if isinstance(item, ChatCompletionChunk):
-        return "".join(c.delta.content or "" for c in item.choices)
-    if isinstance(item, ChatCompletion):
-        return "".join(c.message.content or "" for c in item.choices)
-    if isinstance(item, Completion):
-        return "".join(c.text for c in item.choices)
-    return ""
-
-
-def raise_for_error(value: Result, request_id: str | None = None) -> None:
-    if isinstance(value, ErrorResponse):
-        err = value.error
-        raise GenpipeError(err.message, err.type, code=err.code, param=err.param, request_id=request_id)
-
-
-# --- building requests ---------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(tokenizer_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
-def _ids(result) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True);
-    # 4.x returns the list itself.
-    if hasattr(result, "keys") and "input_ids" in result:
-        result = result["input_ids"]
-    if hasattr(result, "tolist"):
-        result = result.tolist()
-    if result and isinstance(result[0], list):
-        result = result[0]
-    return [int(t) for t in result]
-
-
-def render_chat(tokenizer_dir: str | Path, messages: Sequence[dict]) -> list[int]:
-    """Prompt ids of a chat: the model's chat template with the generation prompt."""
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template; "
-                         f"send a plain prompt (render_prompt) instead")
-    return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
-
-
-def render_prompt(tokenizer_dir: str | Path, text: str) -> list[int]:
-    """Prompt ids of a completion prompt (with the tokenizer's special tokens, e.g. BOS)."""
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    return _ids(tokenizer(text)["input_ids"])
-
-
-def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", request_id: str | None = None,
-                 max_tokens: int | None = 16, min_tokens: int = 0, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 logprobs: bool | int | None = None, top_logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, stream: bool = False, include_usage: bool = False,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 model: str | None = None, reply_topic: str | None = None, deadline_s: float | None = None,
-                 priority: int = 0, created: int | None = None, echo: bool = False) -> GenerateRequest:
-    """A `GenerateRequest` with OpenAI-style logprob options mapped as derender expects.
-
-    `kind="completion"`: `logprobs=k` is OpenAI's completions `logprobs` (the sampled
-    token plus the top k per position; generate is asked for k+1 candidates).
-    `kind="chat"`: `logprobs=True` turns logprobs on, `top_logprobs=k` lists k candidates
-    per position (generate is asked for k). Counts must be >= 0 (build a
-    `GenerateRequest` yourself for `sampling.logprobs=-1`, the whole vocabulary).
-
-    Fills `request_id` (a uuid4 hex) and `output.created` (now) when not given;
-    `deadline_s` is relative (seconds from now). `echo` (completions): the prompt's text,
-    and with `logprobs` its logprobs, in front of the output (`max_tokens=0`: the prompt
-    only, what evaluation harnesses score).
-    """
-    if kind not in ("chat", "completion"):
-        raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
-    gen_logprobs: int | None = None
-    k = 0
-    enabled = (logprobs is not None and logprobs is not False) or top_logprobs is not None
-    if enabled:
-        as_int = None if isinstance(logprobs, bool) or logprobs is None else int(logprobs)
-        if kind == "chat":
-            k = top_logprobs if top_logprobs is not None else (as_int or 0)
-            gen_logprobs = k
-        else:
-            k = as_int if as_int is not None else (top_logprobs or 0)
-            gen_logprobs = k + 1
-        if k < 0:
-            raise ValueError(f"logprobs/top_logprobs must be >= 0, got {k}")
-    if echo and kind != "completion":
-        raise ValueError("echo is for completions")
-    if echo and gen_logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = gen_logprobs  # the prompt's positions, with the same candidates
-    sampling = SamplingParams(
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        logprobs=gen_logprobs, prompt_logprobs=prompt_logprobs)
-    output = OutputOptions(
-        kind=kind, model=model, stream=stream, include_usage=include_usage, top_logprobs=max(k, 0),
-        stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
-        skip_special_tokens=skip_special_tokens,
-        created=int(time.time()) if created is None else created, echo=echo)
-    return GenerateRequest(
-        request_id=request_id or uuid.uuid4().hex, prompt_token_ids=[int(t) for t in prompt_token_ids],
-        sampling=sampling, output=output, reply_topic=reply_topic,
-        deadline_ms=None if deadline_s is None else int((time.time() + deadline_s) * 1000),
-        priority=priority)
 
 
 # --- the client --------------------------------------------------------------------------
@@ -656,42 +317,24 @@ class GenpipeClient:
         return assemble(items)
 
 
+async def _stop(kafka_client) -> None:
+    """Stop an aiokafka client. With the broker gone, aiokafka 0.14's consumer re-raises the
+    cancellation of its own fetch task from stop(); that one is not ours to pass on."""
+    try:
+        await kafka_client.stop()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
+
+
 def _error_info(message: str) -> ErrorInfo:
     return ErrorInfo(message=message, type="server_error")
 
 
-def record_json(message, *, include_position: bool = True) -> bytes:
-    """A consumed record as one JSON line: key, headers, value (+ topic/partition/offset/timestamp).
-
-    A JSON value is embedded as is; a msgpack value is converted; anything else is given
-    as `value_base64` with `value_error`.
-    """
-    import base64
-
-    headers = {k: (v.decode("utf-8", "replace") if v is not None else None) for k, v in (message.headers or ())}
-    out: dict[str, Any] = {"key": message.key.decode("utf-8", "replace") if message.key is not None else None,
-                           "headers": headers}
-    data = message.value
-    try:
-        if data is None:
-            out["value"] = None
-        elif content_type_of(data, message.headers) == JSON:
-            msgspec.json.decode(data)  # valid JSON: embed the bytes untouched
-            out["value"] = msgspec.Raw(data)
-        else:
-            out["value"] = msgspec.msgpack.decode(data)
-    except (msgspec.DecodeError, RecordError) as exc:
-        out["value"] = None
-        out["value_error"] = str(exc)
-        out["value_base64"] = base64.b64encode(data).decode()
-    if include_position:
-        out.update(topic=message.topic, partition=message.partition, offset=message.offset,
-                   timestamp=message.timestamp)
-    return msgspec.json.encode(out)
-
-
 __all__ = [
-    "GenpipeClient", "GenpipeError", "GenpipeTimeout", "GenpipeUnavailable", "Restart", "ResultMessage", "AttemptFilter",
-    "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
-    "text_of", "raise_for_error", "load_tokenizer",
+    "GenpipeClient", "GenpipeError", "GenpipeTimeout", "GenpipeUnavailable", "Restart", "ResultMessage",
+    "AttemptFilter", "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
+    "text_of", "raise_for_error", "load_tokenizer", "Result",
 ]

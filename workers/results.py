@@ -1,0 +1,272 @@
+"""Result records as a client reads them: errors, decoding, the dedupe/restart rule,
+assembling a stream into one object, and the JSON form of a record (`genpipe tail`).
+Pure functions and plain types; `workers/client.py` puts them to work on Kafka."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import msgspec
+
+from schemas import (
+    JSON,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionLogProbs,
+    ChatMessage,
+    Completion,
+    CompletionChoice,
+    CompletionLogProbs,
+    ErrorResponse,
+    RecordError,
+    header_value,
+)
+from schemas.codec import HEADER_SCHEMA, content_type_of, decode, schema_header
+from schemas.openai import RESULT_TYPES, OpenAIResult, ResultRecord
+
+log = logging.getLogger(__name__)
+
+Result = ResultRecord  # what decode_result returns (schemas/openai.py)
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+class GenpipeError(Exception):
+    """The pipeline answered the request with an OpenAI error object."""
+
+    def __init__(self, message: str, type: str = "server_error", *, code: int | str | None = None,
+                 param: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}"
+
+
+class GenpipeTimeout(GenpipeError, TimeoutError):
+    """No (further) result arrived for a request within the client's timeout."""
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message, "timeout", request_id=request_id)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class GenpipeUnavailable(GenpipeError, ConnectionError):
+    """Kafka did not acknowledge a request (or a cancel) within the client's send timeout."""
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message, "service_unavailable", code=503, request_id=request_id)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- what the client hands out ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Yielded by `GenpipeClient.stream()` when the request started over.
+
+    Everything yielded for the request before this marker belongs to an attempt that was
+    abandoned (its generate worker died); discard it. The records that follow are the new
+    attempt's, from its beginning.
+    """
+
+    request_id: str
+    attempt: str | None
+
+
+@dataclass(frozen=True)
+class ResultMessage:
+    """One accepted (deduplicated) result record, as `GenpipeClient.records()` yields it."""
+
+    request_id: str
+    value: Result  # the decoded OpenAI object or error
+    raw: bytes  # the record value exactly as published
+    headers: list[tuple[str, bytes]]
+    attempt: str | None
+    seq: int | None
+    final: bool
+    restart: bool  # first record of an attempt that replaces one already delivered
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int  # ms
+
+    def header(self, name: str) -> str | None:
+        return header_value(self.headers, name)
+
+
+# --- decoding result records --------------------------------------------------------
+
+_RESULT_TYPES: dict[str, Any] = {schema_header(t): t for t in RESULT_TYPES}
+
+
+def decode_result(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None) -> Result:
+    """Decode a results-topic value by its `genpipe-schema` header (sniffed when absent).
+
+    Raises schemas DecodeError / ValidationError.
+    """
+    headers = list(headers or ())
+    content_type = content_type_of(data, headers)
+    record_type = _RESULT_TYPES.get(header_value(headers, HEADER_SCHEMA) or "")
+    if record_type is not None:
+        return decode(data, record_type, content_type)
+    try:
+        return decode(data, OpenAIResult, content_type)
+    except RecordError:
+        return decode(data, ErrorResponse, content_type)
+
+
+# --- dedupe / restart rules (pure) ---------------------------------------------------
+
+
+class AttemptFilter:
+    """Which records of one request to show: drops duplicates and superseded attempts.
+
+    `accept(attempt, seq, restart_header)` returns None to drop the record, else whether
+    it starts a new attempt that replaces one already shown (a restart).
+    """
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self.last_seq = -1
+        self.superseded: set[str] = set()
+        self.accepted = 0
+
+    def accept(self, attempt: str | None, seq: int | None, restart_header: bool = False) -> bool | None:
+        if attempt is None or seq is None:  # not a genpipe derender record: nothing to go by
+            self.accepted += 1
+            return False
+        if self.current is None:
+            self.current, self.last_seq = attempt, seq
+            self.accepted += 1
+            return False  # nothing shown yet: nothing to discard
+        if attempt == self.current:
+            if seq <= self.last_seq:
+                return None  # duplicate
+            self.last_seq = seq
+            self.accepted += 1
+            return False
+        if attempt in self.superseded:
+            return None
+        if restart_header or seq == 0:
+            self.superseded.add(self.current)
+            self.current, self.last_seq = attempt, seq
+            self.accepted += 1
+            return True
+        log.debug("dropping record of unknown attempt %r seq %d (current %r)", attempt, seq, self.current)
+        return None
+
+
+# --- assembling a final object from a stream -----------------------------------------
+
+
+def assemble(items: Sequence[Result]) -> Result:
+    """The final object of one attempt's records.
+
+    A single `chat.completion` / `text_completion` / error is returned as is; streamed
+    `chat.completion.chunk`s become one `chat.completion`, streamed `text_completion`s one
+    `text_completion` (text and logprobs concatenated; finish_reason and usage from the
+    last record that has them).
+    """
+    if not items:
+        raise ValueError("no result records to assemble")
+    last = items[-1]
+    if len(items) == 1 and not isinstance(last, ChatCompletionChunk):
+        return last
+    if isinstance(last, ErrorResponse):
+        return last
+    first = items[0]
+    usage = next((i.usage for i in reversed(items) if getattr(i, "usage", None) is not None), None)
+    finish = next((i.choices[0].finish_reason for i in reversed(items)
+                   if i.choices and i.choices[0].finish_reason is not None), None)
+    if isinstance(first, ChatCompletionChunk):
+        text, content, has_lp = [], [], False
+        for item in items:
+            for choice in item.choices:
+                text.append(choice.delta.content or "")
+                if choice.logprobs is not None:
+                    has_lp = True
+                    content.extend(choice.logprobs.content or ())
+        return ChatCompletion(
+            id=first.id, created=first.created, model=first.model,
+            choices=[ChatCompletionChoice(
+                message=ChatMessage(content="".join(text)),
+                logprobs=ChatCompletionLogProbs(content=content) if has_lp else None,
+                finish_reason=finish)],
+            usage=usage)
+    if isinstance(first, Completion):
+        text, lp = [], None
+        for item in items:
+            for choice in item.choices:
+                text.append(choice.text)
+                if choice.logprobs is not None:
+                    lp = lp or CompletionLogProbs()
+                    lp.text_offset.extend(choice.logprobs.text_offset)
+                    lp.token_logprobs.extend(choice.logprobs.token_logprobs)
+                    lp.tokens.extend(choice.logprobs.tokens)
+                    lp.top_logprobs.extend(choice.logprobs.top_logprobs)
+        return Completion(
+            id=first.id, created=first.created, model=first.model,
+            choices=[CompletionChoice(text="".join(text), logprobs=lp, finish_reason=finish)],
+            usage=usage)
+    return last
+
+
+def text_of(item: Result) -> str:
+    """The text an item adds (a delta, a completion piece, or a final message)."""
+    if isinstance(item, ChatCompletionChunk):
+        return "".join(c.delta.content or "" for c in item.choices)
+    if isinstance(item, ChatCompletion):
+        return "".join(c.message.content or "" for c in item.choices)
+    if isinstance(item, Completion):
+        return "".join(c.text for c in item.choices)
+    return ""
+
+
+def raise_for_error(value: Result, request_id: str | None = None) -> None:
+    if isinstance(value, ErrorResponse):
+        err = value.error
+        raise GenpipeError(err.message, err.type, code=err.code, param=err.param, request_id=request_id)
+
+
+def record_json(message, *, include_position: bool = True) -> bytes:
+    """A consumed record as one JSON line: key, headers, value (+ topic/partition/offset/timestamp).
+
+    A JSON value is embedded as is; a msgpack value is converted; anything else is given
+    as `value_base64` with `value_error`.
+    """
+    import base64
+
+    headers = {k: (v.decode("utf-8", "replace") if v is not None else None) for k, v in (message.headers or ())}
+    out: dict[str, Any] = {"key": message.key.decode("utf-8", "replace") if message.key is not None else None,
+                           "headers": headers}
+    data = message.value
+    try:
+        if data is None:
+            out["value"] = None
+        elif content_type_of(data, message.headers) == JSON:
+            msgspec.json.decode(data)  # valid JSON: embed the bytes untouched
+            out["value"] = msgspec.Raw(data)
+        else:
+            out["value"] = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecordError) as exc:
+        out["value"] = None
+        out["value_error"] = str(exc)
+        out["value_base64"] = base64.b64encode(data).decode()
+    if include_position:
+        out.update(topic=message.topic, partition=message.partition, offset=message.offset,
+                   timestamp=message.timestamp)
+    return msgspec.json.encode(out)
