@@ -27,8 +27,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas.openai import ErrorResponse
-from workers.client import (GenpipeClient, GenpipeError, GenpipeTimeout, Restart, make_request, render_chat,
-                            render_prompt)
+from workers.client import (GenpipeClient, GenpipeError, GenpipeTimeout, Restart, make_request, queue_get,
+                            render_chat, render_prompt)
 from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
@@ -64,7 +64,10 @@ class Gateway:
         self.settings = settings
         self.config = config
         self.reply_topic = f"{settings.topic_prefix}.reply.{config.gateway_id}"
-        self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s)
+        # The gateway cancels what it abandons itself, saying why (the HTTP client went away,
+        # another choice failed, a timeout): one cancel record per request, not two.
+        self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s,
+                                    cancel_on_abandon=False)
         self.in_flight = 0
         self._background: set[asyncio.Task] = set()
         self.max_model_len = _max_model_len(config.tokenizer)
@@ -195,7 +198,7 @@ class Gateway:
         try:
             while open_choices:
                 try:
-                    index, item = await asyncio.wait_for(queue.get(), self.config.keepalive_s)
+                    index, item = await queue_get(queue, self.config.keepalive_s)
                 except asyncio.TimeoutError:
                     yield b": keep-alive\n\n"  # an SSE comment: clients ignore it
                     continue
