@@ -144,6 +144,7 @@ class Tap:
         self.sampled: dict[str, dict[int, int]] = defaultdict(dict)  # rid -> seq -> sampled_at_ns
         self.replied: dict[tuple[str, int], int] = {}  # (rid, seq) -> arrival ns
         self.finished: set[str] = set()  # requests whose final chunk was read
+        self.requested: dict[str, int] = {}  # rid -> when its request record was read here (ns)
 
     async def start(self) -> None:
         from schemas import GenerateChunk
@@ -161,12 +162,17 @@ class Tap:
             if message.key is not None and seq is not None:
                 self.replied.setdefault((message.key.decode(), int(seq)), time.time_ns())
 
+        def on_request(message) -> None:
+            self.requested.setdefault(message.key.decode(), time.time_ns())
+
         self.stop_event = asyncio.Event()
-        ready = [asyncio.Event(), asyncio.Event()]
+        ready = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
         self.tasks = [asyncio.ensure_future(follow(self.settings, self.settings.topic("chunks"), on_chunk,
                                                    self.stop_event, ready=ready[0], poll_timeout_ms=5)),
                       asyncio.ensure_future(follow(self.settings, f"{self.settings.topic_prefix}.reply.{GATEWAY_ID}",
-                                                   on_reply, self.stop_event, ready=ready[1], poll_timeout_ms=5))]
+                                                   on_reply, self.stop_event, ready=ready[1], poll_timeout_ms=5)),
+                      asyncio.ensure_future(follow(self.settings, self.settings.topic("requests"), on_request,
+                                                   self.stop_event, ready=ready[2], poll_timeout_ms=5))]
         await asyncio.gather(*(r.wait() for r in ready))
 
     async def close(self) -> None:
@@ -227,6 +233,8 @@ async def latency_row(label: str, settings: KafkaSettings, client, tap: Tap, por
     rids = [r for r, _, _ in http_runs + kafka_runs]
     await wait_for("every chunk read by the tap", lambda: tap.finished.issuperset(rids), 30)
     http_tok, kafka_tok, paired, http_ttft, kafka_ttft, unmatched = [], [], [], [], [], 0
+    intake = {side: [(tap.requested[r] - sent) / 1e9 for r, sent, _ in runs if r in tap.requested]
+              for side, runs in (("http", http_runs), ("kafka", kafka_runs))}
     for rid, sent, arrivals in http_runs:
         seqs = sorted(tap.sampled[rid])
         if len(seqs) != len(arrivals):  # one SSE event per result record per chunk, unless restarted
@@ -243,8 +251,10 @@ async def latency_row(label: str, settings: KafkaSettings, client, tap: Tap, por
     hp50, hp99, kp50, kp99 = pct(http_tok, .5), pct(http_tok, .99), pct(kafka_tok, .5), pct(kafka_tok, .99)
     print(f"{label:<24} {len(http_tok):>6} {len(kafka_tok):>6} {ms(kp50):>9} {ms(hp50):>9} {ms(hp50 - kp50):>9} "
           f"{ms(kp99):>9} {ms(hp99):>9} {ms(hp99 - kp99):>9} {ms(pct(paired, .5)):>9} {ms(pct(paired, .99)):>9} "
-          f"{ms(pct(kafka_ttft, .5)):>9} {ms(pct(http_ttft, .5)):>9} {(cpu1 - cpu0) / wall:>6.0%}"
+          f"{ms(pct(kafka_ttft, .5)):>9} {ms(pct(http_ttft, .5)):>9} {ms(pct(intake['kafka'], .5)):>9} "
+          f"{ms(pct(intake['http'], .5)):>9} {(cpu1 - cpu0) / wall:>6.0%}"
           + (f"  ({unmatched} HTTP requests unmatched)" if unmatched else ""), flush=True)
+    return hp50 - kp50, hp99 - kp99
 
 
 async def part_latency(args, settings: KafkaSettings, port: int, gw_pid: int) -> None:
@@ -252,20 +262,26 @@ async def part_latency(args, settings: KafkaSettings, port: int, gw_pid: int) ->
 
     tap = Tap(settings)
     await tap.start()
+    verdicts = []
     async with GenpipeClient(settings=settings, timeout_s=60) as client:
         await latency_row("warm-up", settings, client, tap, port, gw_pid, 2, 8, 8)
         print(f"\n== latency: synthetic engine, step {args.step_ms:g} ms, {args.max_tokens} tokens per request; "
               f"HTTP and Kafka requests at the same time ==")
         print(f"{'load (per side)':<24} {'http n':>6} {'kafka n':>6} {'kafka p50':>9} {'http p50':>9} "
               f"{'added p50':>9} {'kafka p99':>9} {'http p99':>9} {'added p99':>9} {'pair p50':>9} "
-              f"{'pair p99':>9} {'kTTFT p50':>9} {'hTTFT p50':>9} {'gw CPU':>6}")
+              f"{'pair p99':>9} {'kTTFT p50':>9} {'hTTFT p50':>9} {'kIn p50':>9} {'hIn p50':>9} {'gw CPU':>6}")
         for label, concurrency, requests in ((f"low (1 at a time)", 1, args.requests_low),
                                              (f"moderate ({args.concurrency} at once)", args.concurrency,
                                               args.requests_moderate)):
-            await latency_row(label, settings, client, tap, port, gw_pid, concurrency, requests, args.max_tokens)
+            added = await latency_row(label, settings, client, tap, port, gw_pid, concurrency, requests,
+                                      args.max_tokens)
+            verdicts.append(f"{label}: added p50 {ms(added[0])} ({'met' if added[0] <= 1e-3 else 'NOT met'}), "
+                            f"p99 {ms(added[1])} ({'met' if added[1] <= 5e-3 else 'NOT met'})")
     await tap.close()
+    print("goal (added p50 <= 1 ms, p99 <= 5 ms): " + "; ".join(verdicts))
     print("added = http − kafka (sampled → arrival here); pair = the same result record read here from the "
-          "gateway's reply topic → its SSE event here; gw CPU = the gateway process, share of one core")
+          "gateway's reply topic → its SSE event here; In = request sent → its record read here from the "
+          "requests topic; gw CPU = the gateway process, share of one core")
 
 
 # --- many open streams ----------------------------------------------------------------------
