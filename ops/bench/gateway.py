@@ -71,12 +71,13 @@ def ms(seconds: float) -> str:
 
 # --- processes ------------------------------------------------------------------------------
 
-def spawn(name: str, args: list[str], nofile: int | None = None) -> subprocess.Popen:
+def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the worktree's code, not an installed copy
 
     def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        if nofile is not None:  # (soft, hard or None: keep the hard limit)
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if nofile[1] is None else nofile[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile[0], hard))
     log = open(LOG_DIR / f"{name}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             cwd=ROOT, env=env, start_new_session=True, preexec_fn=limit)
@@ -332,6 +333,8 @@ async def part_streams(args, port: int, gw_pid: int) -> None:
                            on_headers=lambda now: setattr(s, "opened", now))
         except Exception as exc:
             s.error = repr(exc)
+        except asyncio.CancelledError:
+            s.error = "not finished in time"
         s.closed = time.time_ns()
 
     rss0, cpu0, fds0 = proc_stats(gw_pid)
@@ -344,7 +347,10 @@ async def part_streams(args, port: int, gw_pid: int) -> None:
         delay = started + (i + 1) / args.ramp - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-    await asyncio.wait_for(asyncio.gather(*tasks), args.stream_tokens * args.stream_step_ms / 1000 + 300)
+    _, pending = await asyncio.wait(tasks, timeout=args.stream_tokens * args.stream_step_ms / 1000 + 60)
+    for task in pending:  # e.g. a connection the gateway never accepted (out of file descriptors)
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     wall = time.monotonic() - started
     sampler.cancel()
     rss1, cpu1, fds1 = proc_stats(gw_pid)
@@ -392,7 +398,7 @@ async def run(args, settings: KafkaSettings) -> None:
     generate = start_generate(settings, args.step_ms, 64, "generate-latency")
     derender = spawn("derender", ["derender-worker", "--log-level", "INFO", *kafka_args(settings)])
     gateway = spawn("gateway", ["serve", "--port", str(port), "--gateway-id", GATEWAY_ID, "--log-level", "warning",
-                                "--max-in-flight", str(args.streams + 64), *kafka_args(settings)], nofile=1024)
+                                "--max-in-flight", str(args.streams + 64), *kafka_args(settings)], nofile=args.gateway_nofile)
     procs = [generate, derender, gateway]
     try:
         await wait_for("generate worker ready", lambda: log_has("generate-latency", "worker ready"), 120, generate)
@@ -409,7 +415,8 @@ async def run(args, settings: KafkaSettings) -> None:
             await asyncio.sleep(0.1)
         limits = open(f"/proc/{gateway.pid}/limits").read()
         nofile = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3:5]
-        print(f"gateway pid {gateway.pid}: started with soft RLIMIT_NOFILE 1024, now soft/hard {nofile[0]}/{nofile[1]}")
+        print(f"gateway pid {gateway.pid}: started with RLIMIT_NOFILE soft/hard {args.gateway_nofile[0]}/"
+              f"{args.gateway_nofile[1] or 'unchanged'}, now {nofile[0]}/{nofile[1]}")
         if "latency" in args.parts:
             await part_latency(args, settings, port, gateway.pid)
         if "streams" in args.parts:
@@ -429,6 +436,11 @@ def main() -> None:
     parser.add_argument("--broker-port", type=int, default=29492, help="controller on the next port")
     parser.add_argument("--port", type=int, default=18471, help="the gateway's HTTP port")
     parser.add_argument("--parts", nargs="+", default=["latency", "streams"], choices=["latency", "streams"])
+    parser.add_argument("--gateway-nofile", type=lambda t: tuple(int(x) for x in t.split(",")) + (None,) * (
+        "," not in t), default=(1024, None), metavar="SOFT[,HARD]",
+                        help="the gateway's RLIMIT_NOFILE at start (default: soft 1024, a common default; "
+                             "`genpipe serve` raises it to the hard limit; a hard limit of 1024 shows what "
+                             "happens when it cannot)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in about a minute")
     parser.add_argument("--step-ms", type=float, default=20.0, help="synthetic step, latency part")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request, latency part")
