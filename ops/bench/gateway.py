@@ -71,8 +71,9 @@ def ms(seconds: float) -> str:
 
 # --- processes ------------------------------------------------------------------------------
 
-def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the worktree's code, not an installed copy
+def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = None,
+          root: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the worktree's code, not an installed copy
 
     def limit() -> None:
         if nofile is not None:  # (soft, hard or None: keep the hard limit)
@@ -80,7 +81,7 @@ def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = No
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile[0], hard))
     log = open(LOG_DIR / f"{name}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, env=env, start_new_session=True, preexec_fn=limit)
+                            cwd=root, env=env, start_new_session=True, preexec_fn=limit)
 
 
 def kafka_args(settings: KafkaSettings) -> list[str]:
@@ -312,7 +313,7 @@ class Stream:
             self.finishes += choice["finish_reason"] is not None
 
 
-async def part_streams(args, port: int, gw_pid: int) -> None:
+async def part_streams(args, port: int, gw_pid: int) -> float:
     n, tokens = args.streams, args.stream_tokens
     streams = [Stream() for _ in range(n)]
     body = msgspec.json.encode({"prompt": [1, 5, 6, 7], "max_tokens": tokens, "temperature": 0, "logprobs": 0,
@@ -386,6 +387,7 @@ async def part_streams(args, port: int, gw_pid: int) -> None:
           f"token received; time to first token p50 {pct([(s.first - s.opened) / 1e9 for s in streams if s.first], .5) * 1e3:.0f} ms")
     if complete != n:
         raise SystemExit(f"{n - complete} streams did not complete exactly (logs in {LOG_DIR})")
+    return (cpu1 - cpu0) / max(1, events)
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -397,26 +399,27 @@ async def run(args, settings: KafkaSettings) -> None:
     port = args.port
     generate = start_generate(settings, args.step_ms, 64, "generate-latency")
     derender = spawn("derender", ["derender-worker", "--log-level", "INFO", *kafka_args(settings)])
-    gateway = spawn("gateway", ["serve", "--port", str(port), "--gateway-id", GATEWAY_ID, "--log-level", "warning",
-                                "--max-in-flight", str(args.streams + 64), *kafka_args(settings)], nofile=args.gateway_nofile)
-    procs = [generate, derender, gateway]
+    serve = ["serve", "--log-level", "warning", "--max-in-flight", str(args.streams + 64), *kafka_args(settings)]
+    gateway = spawn("gateway", [*serve, "--port", str(port), "--gateway-id", GATEWAY_ID], nofile=args.gateway_nofile)
+    gateways = [("this tree", port, gateway)]
+    if args.compare_gateway:  # the same gateway from another source tree (e.g. `git archive` of an older commit)
+        gateways.append(("--compare-gateway", port + 1, spawn(
+            "gateway-compare", [*serve, "--port", str(port + 1), "--gateway-id", f"{GATEWAY_ID}-compare"],
+            nofile=args.gateway_nofile, root=Path(args.compare_gateway).resolve())))
+    procs = [generate, derender, *(g for _, _, g in gateways)]
     try:
         await wait_for("generate worker ready", lambda: log_has("generate-latency", "worker ready"), 120, generate)
         await wait_for("derender worker ready", lambda: log_has("derender", "worker ready"), 120, derender)
-        ok = [False]
-
-        async def poll() -> bool:
-            ok[0] = await http_ok(port, "/health")
-            return ok[0]
-        deadline = time.monotonic() + 120
-        while not await poll():
-            if gateway.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the gateway did not become healthy; logs in {LOG_DIR}")
-            await asyncio.sleep(0.1)
-        limits = open(f"/proc/{gateway.pid}/limits").read()
-        nofile = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3:5]
-        print(f"gateway pid {gateway.pid}: started with RLIMIT_NOFILE soft/hard {args.gateway_nofile[0]}/"
-              f"{args.gateway_nofile[1] or 'unchanged'}, now {nofile[0]}/{nofile[1]}")
+        for _, gw_port, gw in gateways:
+            deadline = time.monotonic() + 120
+            while not await http_ok(gw_port, "/health"):
+                if gw.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the gateway did not become healthy; logs in {LOG_DIR}")
+                await asyncio.sleep(0.1)
+            limits = open(f"/proc/{gw.pid}/limits").read()
+            nofile = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3:5]
+            print(f"gateway pid {gw.pid} (port {gw_port}): started with RLIMIT_NOFILE soft/hard "
+                  f"{args.gateway_nofile[0]}/{args.gateway_nofile[1] or 'unchanged'}, now {nofile[0]}/{nofile[1]}")
         if "latency" in args.parts:
             await part_latency(args, settings, port, gateway.pid)
         if "streams" in args.parts:
@@ -424,7 +427,14 @@ async def run(args, settings: KafkaSettings) -> None:
             generate = start_generate(settings, args.stream_step_ms, args.streams, "generate-streams")
             procs.append(generate)
             await wait_for("generate worker ready", lambda: log_has("generate-streams", "worker ready"), 120, generate)
-            await part_streams(args, port, gateway.pid)
+            costs = {}
+            for label, gw_port, gw in gateways * args.rounds:
+                print(f"\n-- gateway: {label} --", end="")
+                costs.setdefault(label, []).append(await part_streams(args, gw_port, gw.pid))
+            if args.compare_gateway:
+                mine, other = costs["this tree"], costs["--compare-gateway"]
+                print(f"\ngateway CPU per token, --compare-gateway / this tree, per round: "
+                      + ", ".join(f"{b * 1e6:.0f} / {a * 1e6:.0f} µs = {b / a:.2f}x" for a, b in zip(mine, other)))
     finally:
         stop(procs)
         print(f"(logs: {LOG_DIR})")
@@ -441,6 +451,9 @@ def main() -> None:
                         help="the gateway's RLIMIT_NOFILE at start (default: soft 1024, a common default; "
                              "`genpipe serve` raises it to the hard limit; a hard limit of 1024 shows what "
                              "happens when it cannot)")
+    parser.add_argument("--compare-gateway", metavar="DIR",
+                        help="also run the streams part through a gateway from this source tree, in turn")
+    parser.add_argument("--rounds", type=int, default=1, help="streams part: rounds (per gateway)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run in about a minute")
     parser.add_argument("--step-ms", type=float, default=20.0, help="synthetic step, latency part")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request, latency part")
