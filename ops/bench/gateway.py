@@ -24,8 +24,11 @@ which `genpipe serve` raises to the hard limit itself; this process raises its o
 
 `--compare-gateway DIR` also starts the gateway of another source tree (`git archive` of an
 older commit) beside this one: a before/after of a gateway change in one run. The latency
-part then sends a third side of requests through it at the same time (its own rows); the
-streams part runs through each gateway in turn (CPU per token; RSS only in a first round).
+part then sends a third side of requests through it at the same time (its own rows):
+compare the two HTTP rows with each other; at 16 at once per side this process saturates
+(on 2 cores) and its own Kafka side looks slower than HTTP, so use a run without
+`--compare-gateway` for the goal. The streams part runs through each gateway in turn (CPU
+per token; RSS only in a first round).
 
     python ops/bench/gateway.py [--broker-port 29492 | --bootstrap-servers HOST:PORT] [--quick]
         [--streams 1000] [--stream-step-ms 500] [--stream-tokens 40] [--compare-gateway DIR]
