@@ -27,6 +27,19 @@ class ChatCompletionLogProbs(msgspec.Struct, kw_only=True, gc=False):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True, gc=False):
+    """One candidate of one prompt position in vLLM's `prompt_logprobs` (its `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely; None only when the logprob was NaN
+    decoded_token: str | None = None
+
+
+# vLLM's extension: one entry per prompt token, the first None, the others
+# {token id as a string: PromptLogprob} with the prompt token itself and the top k.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogProbs(msgspec.Struct, kw_only=True, gc=False):
     text_offset: list[int] = msgspec.field(default_factory=list)
     token_logprobs: list[float | None] = msgspec.field(default_factory=list)
@@ -84,6 +97,9 @@ class ChatCompletion(msgspec.Struct, kw_only=True, tag_field="object", tag="chat
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # vLLM puts chat's prompt_logprobs on the response, not the choice. UNSET (left out
+    # of the JSON) unless the request asked for them (`output.prompt_logprobs`).
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- completion (the same object streamed and final, as OpenAI does) ---------------
@@ -94,6 +110,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: OpenAIFinishReason | None = None
+    # vLLM's extension (non-streamed only), UNSET (left out of the JSON) unless asked for
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):

@@ -46,6 +46,10 @@ class OutputOptions(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     created: int | None = None  # unix seconds; derender fills it in when absent
     echo: bool = False  # completions: the prompt's text (and logprobs) in front of the output
+    # vLLM's `prompt_logprobs` field in non-streamed results, with this many top candidates
+    # per prompt position (sampling.prompt_logprobs must ask for at least as many). UNSET:
+    # no field (and nothing in the record: requests written before it read the same).
+    prompt_logprobs: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -111,7 +115,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The request record's offset on its partition (the chunk's partition number): a re-run
     # of the same record (after a crash) has the same one, a re-used request_id another.
     request_offset: int | None = None
-    prompt_token_ids: list[int] | None = None  # seq 0, only when output.echo: the whole prompt
+    # seq 0, only with output.echo or output.prompt_logprobs: the whole prompt
+    prompt_token_ids: list[int] | None = None
 
 
 class Cancel(msgspec.Struct, kw_only=True):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import msgspec
+
 from schemas.errors import ValidationError
 from schemas.records import GenerateRequest, OutputOptions, SamplingParams
 
@@ -71,6 +73,10 @@ def validate_output(o: OutputOptions, *, max_logprobs: int = DEFAULT_MAX_LOGPROB
     if o.top_logprobs < 0 or (max_logprobs >= 0 and o.top_logprobs > max_logprobs):
         cap = "any count >= 0" if max_logprobs < 0 else f"0..{max_logprobs}"
         _fail("output.top_logprobs", f"must be {cap}, got {o.top_logprobs}")
+    k = o.prompt_logprobs
+    if k is not msgspec.UNSET and (k < 0 or (max_logprobs >= 0 and k > max_logprobs)):
+        cap = "any count >= 0" if max_logprobs < 0 else f"0..{max_logprobs}"
+        _fail("output.prompt_logprobs", f"must be {cap}, got {k}")
     for i, s in enumerate(o.stop):
         if s == "":
             _fail(f"output.stop[{i}]", "must be a non-empty string")

@@ -41,7 +41,11 @@ def test_a_chat_body_maps_onto_a_request():
     ({"prompt": ["a", "b"], "n": 100}, "completion", "n", 400),
     ({"prompt": ["a", 5]}, "completion", "prompt", 400),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "chat", "echo", 400),
-    ({"prompt": "x", "prompt_logprobs": 1}, "completion", "prompt_logprobs", 400),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "completion", "prompt_logprobs", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 2, "stream": True}, "chat",
+     "prompt_logprobs", 400),
+    ({"prompt": "x", "prompt_logprobs": 21}, "completion", "prompt_logprobs", 400),
+    ({"prompt": "x", "prompt_logprobs": "2"}, "completion", "prompt_logprobs", 400),
     ({"prompt": "x", "suffix": "y"}, "completion", "suffix", 400),
     ({"prompt": []}, "completion", "prompt", 400),
     ({"prompt": "x", "max_tokens": -1}, "completion", "max_tokens", 400),
@@ -96,15 +100,20 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0):
+async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None):
+    """Generate (the synthetic engine, or `loaded_engine`: the tiny model) and derender
+    workers and a gateway, all in this process."""
     import uvicorn
 
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
     from workers.gateway.app import Gateway, GatewayConfig
 
-    gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
-                                            synthetic_step_s=step_s, max_batch=8,
-                                            group_id=f"{settings.topic_prefix}-generate")  # /health looks for it
+    group = f"{settings.topic_prefix}-generate"  # /health looks for it
+    if loaded_engine is not None:
+        gen_stop, gen_task = await start_worker(settings, loaded_engine, group_id=group)
+    else:
+        gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
+                                                synthetic_step_s=step_s, max_batch=8, group_id=group)
     der_stop, der_ready = asyncio.Event(), asyncio.Event()
     der_task = asyncio.ensure_future(run_derender_worker(
         settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{settings.topic_prefix}-derender"),
@@ -208,6 +217,83 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert [m["id"] for m in models["data"]] == ["tiny"]
             health = await http.get("/health")
             assert health.status_code == 200, health.text
+        assert gateway.in_flight == 0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from workers.generate.engine import Engine
+
+    return Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20)
+
+
+def _teacher_forced(tiny_model_dir, ids: list[int]):
+    """Per prompt position i >= 1: the model's log-softmax over the vocabulary after ids[:i]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check_against_model(entries, ids, logp, k):
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        row = logp[i - 1]
+        entry = entries[i]
+        assert str(ids[i]) in entry and list(entry)[0] == str(ids[i])  # the prompt token first
+        assert len(entry) in (k, k + 1)  # the top k, and the prompt token when it is not among them
+        for tid, lp in entry.items():
+            assert lp["logprob"] == pytest.approx(row[int(tid)].item(), abs=1e-4)
+            assert lp["rank"] == 1 + int((row > row[int(tid)] + 1e-6).sum())  # ties aside
+            assert tid == str(ids[i]) or lp["rank"] <= k
+            assert isinstance(lp["decoded_token"], str)
+
+
+@pytest.mark.kafka
+async def test_prompt_logprobs_are_the_models_teacher_forced_logprobs(kafka_settings, make_topics, tiny_model_dir,
+                                                                      engine):
+    from workers.client import render_chat, render_prompt
+
+    await make_topics(kafka_settings, partitions=2)
+    ids = render_prompt(tiny_model_dir, "Once upon a time, a little fox")
+    async with running_stack(kafka_settings, tiny_model_dir, loaded_engine=engine) as (base, gateway):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
+                                                         "temperature": 0, "prompt_logprobs": 3})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            logp = _teacher_forced(tiny_model_dir, ids)
+            _check_against_model(choice["prompt_logprobs"], ids, logp, 3)
+            assert choice["logprobs"] is None  # the output's logprobs were not asked for
+
+            # echo renders the same prompt logprobs its own way: equal values and token texts
+            echo = await http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 0,
+                                                            "echo": True, "logprobs": 3, "prompt_logprobs": 0})
+            assert echo.status_code == 200, echo.text
+            echoed = echo.json()["choices"][0]
+            for i in range(1, len(ids)):
+                (tid, lp), = echoed["prompt_logprobs"][i].items()  # prompt_logprobs 0: the token only
+                assert tid == str(ids[i]) and lp["decoded_token"] == echoed["logprobs"]["tokens"][i]
+                assert lp["logprob"] == pytest.approx(echoed["logprobs"]["token_logprobs"][i], abs=1e-5)
+                assert lp["logprob"] == pytest.approx(choice["prompt_logprobs"][i][tid]["logprob"], abs=1e-5)
+
+            plain = await http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1})
+            assert "prompt_logprobs" not in plain.json()["choices"][0]  # only when asked for
+
+            messages = [{"role": "user", "content": "Hello"}]
+            chat = await http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "n": 2,
+                                                                 "max_tokens": 1, "prompt_logprobs": 2})
+            assert chat.status_code == 200, chat.text
+            chat_ids = render_chat(tiny_model_dir, messages)
+            assert "prompt_logprobs" not in chat.json()["choices"][0]  # vLLM: on the response, for chat
+            _check_against_model(chat.json()["prompt_logprobs"], chat_ids, _teacher_forced(tiny_model_dir, chat_ids), 2)
+
+            streamed = await http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "stream": True,
+                                                                "prompt_logprobs": 1})
+            assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
         assert gateway.in_flight == 0
 
 

@@ -123,7 +123,8 @@ def _add_submit(subparsers) -> None:
     s.add_argument("--top-logprobs", type=int, default=None, metavar="K",
                    help="chat: K candidates per position (implies --logprobs)")
     s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                   help="also compute logprobs of the prompt tokens (top K)")
+                   help="vLLM's prompt_logprobs field in a non-streamed result (--no-stream): per prompt "
+                        "token its logprob, rank and text, with the top K candidates")
 
     o = p.add_argument_group("output")
     o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,

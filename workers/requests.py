@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+import msgspec
+
 from schemas import GenerateRequest, OutputOptions, SamplingParams
 
 
@@ -66,7 +68,10 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
     Fills `request_id` (a uuid4 hex) and `output.created` (now) when not given;
     `deadline_s` is relative (seconds from now). `echo` (completions): the prompt's text,
     and with `logprobs` its logprobs, in front of the output (`max_tokens=0`: the prompt
-    only, what evaluation harnesses score).
+    only, what evaluation harnesses score). `prompt_logprobs=k` (vLLM's extension): the
+    non-streamed result carries `prompt_logprobs`, per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} with the token itself and the top k (on the
+    choice for completions, on the response for chat, as vLLM does).
     """
     if kind not in ("chat", "completion"):
         raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
@@ -85,17 +90,21 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
             raise ValueError(f"logprobs/top_logprobs must be >= 0, got {k}")
     if echo and kind != "completion":
         raise ValueError("echo is for completions")
-    if echo and gen_logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = gen_logprobs  # the prompt's positions, with the same candidates
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        raise ValueError(f"prompt_logprobs must be >= 0, got {prompt_logprobs}")
+    # The prompt's candidates: for vLLM's field (top prompt_logprobs) and for echo (the
+    # same candidates as the output's); generate computes them once for both.
+    wanted = [c for c in (prompt_logprobs, gen_logprobs if echo else None) if c is not None]
     sampling = SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        logprobs=gen_logprobs, prompt_logprobs=prompt_logprobs)
+        logprobs=gen_logprobs, prompt_logprobs=max(wanted) if wanted else None)
     output = OutputOptions(
         kind=kind, model=model, stream=stream, include_usage=include_usage, top_logprobs=max(k, 0),
         stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
-        created=int(time.time()) if created is None else created, echo=echo)
+        created=int(time.time()) if created is None else created, echo=echo,
+        prompt_logprobs=msgspec.UNSET if prompt_logprobs is None else prompt_logprobs)
     return GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, prompt_token_ids=[int(t) for t in prompt_token_ids],
         sampling=sampling, output=output, reply_topic=reply_topic,

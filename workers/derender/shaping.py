@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import msgspec
+
 from schemas.openai import (
     ChatCompletion,
     ChatCompletionChoice,
@@ -37,6 +39,8 @@ from schemas.openai import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     UsageInfo,
 )
 from schemas.records import GenerateLogProbsContent
@@ -171,6 +175,37 @@ def echo_prompt(tables, corrector: Corrector, prompt_ids: Sequence[int],
     return text, out, offset
 
 
+def prompt_logprobs(prompt_ids: Sequence[int], content: Sequence[GenerateLogProbsContent | None],
+                    k: int, corrector: Corrector) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` field: per prompt position None (the first, or no
+    logprobs) or {token id as a string: PromptLogprob} with the prompt token itself, then
+    the candidates of rank <= k in rank order. `decoded_token` is the token's text in its
+    place, as echo's `tokens` has it (a partial character corrected against the ids before
+    it; candidates in the same context). `content` is aligned with `prompt_ids`."""
+    strs, _, dirty, raw, need, get = corrector.hot
+    size = len(need)
+    hist: list[int] = []
+    out: PromptLogprobs = []
+    for tid, pos in zip(prompt_ids, content):
+        if pos is None:
+            out.append(None)
+        else:
+            ctx = context_key(hist, dirty, raw) if hist else None
+            d = {}
+            for e in (pos, *pos.top_logprobs):
+                eid = e.token_id
+                if not 0 <= eid < size or e is not pos and (eid == tid or e.rank is None or e.rank > k):
+                    continue
+                fix = need[eid]
+                text = strs[eid] if not fix else "" if fix == 1 or not ctx else get(ctx, eid)[0]
+                d[str(eid)] = PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=text)
+            out.append(d)
+        hist.append(tid)
+        if len(hist) > 64:
+            del hist[:-CTX]
+    return out
+
+
 # --- result records ----------------------------------------------------------------
 
 
@@ -193,22 +228,25 @@ def chat_chunk(rid: str, created: int, model: str, text: str, first: bool,
 
 def chat_final(rid: str, created: int, model: str, text: str,
                content: list[ChatCompletionLogProbsContent] | None,
-               finish_reason: str | None, usage_info: UsageInfo) -> ChatCompletion:
+               finish_reason: str | None, usage_info: UsageInfo,
+               prompt_lp: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET) -> ChatCompletion:
     return ChatCompletion(
         id="chatcmpl-" + rid, created=created, model=model,
         choices=[ChatCompletionChoice(
             message=ChatMessage(content=text),
             logprobs=None if content is None else ChatCompletionLogProbs(content=content),
             finish_reason=finish_reason)],
-        usage=usage_info)
+        usage=usage_info, prompt_logprobs=prompt_lp)
 
 
 def completion(rid: str, created: int, model: str, text: str, logprobs: CompletionLogProbs | None,
-               finish_reason: str | None, usage_info: UsageInfo | None) -> Completion:
+               finish_reason: str | None, usage_info: UsageInfo | None,
+               prompt_lp: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET) -> Completion:
     """`text_completion`, streamed (one per chunk) and final alike, as OpenAI does."""
     return Completion(
         id="cmpl-" + rid, created=created, model=model,
-        choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)],
+        choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                  prompt_logprobs=prompt_lp)],
         usage=usage_info)
 
 

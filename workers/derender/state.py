@@ -114,6 +114,7 @@ class RequestState:
     comp_lp: CompletionLogProbs = field(default_factory=CompletionLogProbs)  # not streamed, completion
     echo_text: str = ""  # echo: the prompt's text, in front of the first result's text
     echo_lp: CompletionLogProbs | None = None  # echo, streamed: the prompt's logprobs, in the first result
+    prompt_lp: list | msgspec.UnsetType = msgspec.UNSET  # not streamed: vLLM's prompt_logprobs field
 
 
 class Derenderer:
@@ -243,8 +244,13 @@ class Derenderer:
             stop=StopMatcher(stops, opts.include_stop_str_in_output) if stops else None,
             chat=opts.kind == "chat", stream=opts.stream, k=max(0, opts.top_logprobs))
         echo = chunk.prompt_token_ids
-        if (opts.echo and not req.chat and echo is not None and all(0 <= t < self.tables.size for t in echo)
-                and (chunk.prompt_logprobs is None or len(chunk.prompt_logprobs) == len(echo))):
+        aligned = echo is not None and all(0 <= t < self.tables.size for t in echo) and (
+            chunk.prompt_logprobs is None or len(chunk.prompt_logprobs) == len(echo))
+        if (opts.prompt_logprobs is not msgspec.UNSET and not req.stream and aligned
+                and chunk.prompt_logprobs is not None):
+            req.prompt_lp = shaping.prompt_logprobs(echo, chunk.prompt_logprobs, max(0, opts.prompt_logprobs),
+                                                    self.corrector)
+        if opts.echo and not req.chat and aligned:
             # (bad ids or a misaligned list are reported by check_chunk; no crash here)
             req.echo_text, prompt_lp, req.offset = shaping.echo_prompt(
                 self.tables, self.corrector, chunk.prompt_token_ids, chunk.prompt_logprobs, req.k,
@@ -357,10 +363,10 @@ class Derenderer:
         full = "".join(req.parts)
         if req.chat:
             value = shaping.chat_final(rid, req.created, req.model, full, req.chat_lp if req.has_lp else None,
-                                       finish_reason, usage)
+                                       finish_reason, usage, req.prompt_lp)
         else:
             value = shaping.completion(rid, req.created, req.model, full, req.comp_lp if req.has_lp else None,
-                                       finish_reason, usage)
+                                       finish_reason, usage, req.prompt_lp)
         return [self._finish(req, rid, chunk, value)]
 
     # --- records and bookkeeping -----------------------------------------------------

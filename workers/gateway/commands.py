@@ -21,6 +21,20 @@ def _default_gateway_id() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "gw"
 
 
+def _raise_open_files_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit. Every open HTTP stream is a socket: with the
+    common default soft limit of 1024, a gateway holding ~1,000 streams (its --max-in-flight
+    default is 1024) would fail to accept more (EMFILE) while the hard limit allows far more."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # some systems refuse RLIM_INFINITY: keep what we have
+            pass
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -34,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_tokenizer_dir(args.tokenizer)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_open_files_limit()
     settings = KafkaSettings.from_args(args, client_id="genpipe-gateway")
     gateway = Gateway(settings, GatewayConfig(
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,

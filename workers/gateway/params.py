@@ -25,9 +25,7 @@ UNSUPPORTED = {
     "suffix": lambda v: bool(v),
 }
 # Not yet in this gateway (issue #12 lists them): refused by name too.
-NOT_YET = {
-    "prompt_logprobs": lambda v: v is not None,
-}
+NOT_YET: dict = {}
 
 
 class BadParameter(ValueError):
@@ -101,6 +99,12 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
         if _bool(body, "logprobs", False):
             opts["logprobs"] = True
             opts["top_logprobs"] = _int(top, "top_logprobs", 0, max_logprobs) if top is not None else 0
+    if body.get("prompt_logprobs") is not None:  # vLLM's extension, both endpoints
+        k = _int(body["prompt_logprobs"], "prompt_logprobs", 0, max_logprobs)
+        if parsed.stream and k > 0:  # vLLM's rule: streamed chunks have no such field (0 is ignored)
+            raise BadParameter("prompt_logprobs", "prompt_logprobs are not available with stream: true")
+        if not parsed.stream:
+            opts["prompt_logprobs"] = k
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not parsed.stream:

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 from aiokafka import TopicPartition
 
 from schemas import ChunkError, GenerateChunk, GenerateLogProbs, GenerateRequest
@@ -138,7 +139,8 @@ class ChunkBuilder:
             output=request.output if first else None,
             reply_topic=request.reply_topic if first else None,
             request_offset=state.offset if first else None,
-            prompt_token_ids=request.prompt_token_ids if first and request.output.echo else None)
+            prompt_token_ids=request.prompt_token_ids if first and (
+                request.output.echo or request.output.prompt_logprobs is not msgspec.UNSET) else None)
 
     def _advance(self, state: InFlight, count: int) -> None:
         """The chunk of the first `count` pending tokens is taken: number the next one."""

@@ -1,0 +1,99 @@
+"""Processes and measurements shared by ops/bench/gateway*.py: the worktree's code as
+subprocesses (`python -m workers.cli ...`, PYTHONPATH set), waits on conditions, /proc stats."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from workers.kafka.settings import KafkaSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+LOG_DIR = Path(tempfile.mkdtemp(prefix="genpipe-gwbench-"))
+GATEWAY_ID = "bench"
+
+
+def raise_nofile() -> tuple[int, int]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, hard
+
+
+def pct(values, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}ms"
+
+
+def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = None,
+          root: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the worktree's code, not an installed copy
+
+    def limit() -> None:
+        if nofile is not None:  # (soft, hard or None: keep the hard limit)
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if nofile[1] is None else nofile[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile[0], hard))
+    log = open(LOG_DIR / f"{name}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=root, env=env, start_new_session=True, preexec_fn=limit)
+
+
+def kafka_args(settings: KafkaSettings) -> list[str]:
+    return ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
+
+
+def start_generate(settings: KafkaSettings, step_ms: float, max_batch: int, name: str) -> subprocess.Popen:
+    return spawn(name, ["generate-worker", "--engine", "synthetic", "--engine-in", "thread", "--step-ms",
+                        str(step_ms), "--max-batch", str(max_batch), "--grace-period", "5", "--log-level", "INFO",
+                        *kafka_args(settings)])
+
+
+async def wait_for(what: str, condition, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"{what}: the process exited ({proc.returncode}); logs in {LOG_DIR}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not happen within {timeout:.0f} s; logs in {LOG_DIR}")
+        await asyncio.sleep(0.05)
+
+
+def log_has(name: str, text: str) -> bool:
+    return text.encode() in (LOG_DIR / f"{name}.log").read_bytes()
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        proc.wait(60)
+
+
+def proc_stats(pid: int) -> tuple[int, float, int]:
+    """(RSS bytes, CPU seconds user+system, open file descriptors) of a process."""
+    rss = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return rss, cpu, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def http_ok(port: int, path: str) -> bool:
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+    line = await reader.readline()
+    writer.close()
+    return line.split()[1:2] == [b"200"]
