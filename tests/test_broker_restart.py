@@ -97,7 +97,7 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
     send timeout, in OpenAI's error shape, instead of hanging on the producer's retries."""
     import httpx
 
-    from tests.test_gateway_restarts import gateway
+    from tests.test_gateway import serving_gateway
     from workers.broker import local
 
     if local.answers(DOWN_PORT):
@@ -107,7 +107,7 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
     settings = dataclasses.replace(KafkaSettings(), bootstrap_servers=info.bootstrap_servers, topic_prefix="down")
     try:
         await make_topics(settings, partitions=1)
-        async with gateway(settings, str(tiny_model_dir), send_timeout_s=3) as base, \
+        async with serving_gateway(settings, str(tiny_model_dir), gateway_id="down", send_timeout_s=3) as (base, _), \
                 httpx.AsyncClient(base_url=base, timeout=60) as http:
             await asyncio.to_thread(local.broker_down, port=DOWN_PORT, data_dir=data_dir)
             health = await http.get("/health")

@@ -100,28 +100,14 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None):
-    """Generate (the synthetic engine, or `loaded_engine`: the tiny model) and derender
-    workers and a gateway, all in this process."""
+async def serving_gateway(settings, tokenizer: str, **config):
+    """`genpipe serve` in this process (uvicorn on a free port); yields (base URL, gateway)."""
     import uvicorn
 
-    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
     from workers.gateway.app import Gateway, GatewayConfig
 
-    group = f"{settings.topic_prefix}-generate"  # /health looks for it
-    if loaded_engine is not None:
-        gen_stop, gen_task = await start_worker(settings, loaded_engine, group_id=group)
-    else:
-        gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
-                                                synthetic_step_s=step_s, max_batch=8, group_id=group)
-    der_stop, der_ready = asyncio.Event(), asyncio.Event()
-    der_task = asyncio.ensure_future(run_derender_worker(
-        settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{settings.topic_prefix}-derender"),
-        stop=der_stop, on_ready=der_ready.set))
-    await asyncio.wait_for(der_ready.wait(), 60)
     port = _free_port()
-    gateway = Gateway(settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny", gateway_id="t1",
-                                              keepalive_s=keepalive_s))
+    gateway = Gateway(settings, GatewayConfig(tokenizer=tokenizer, **{"model_name": "tiny", **config}))
     server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     try:
@@ -134,6 +120,29 @@ async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None):
+    """Generate (the synthetic engine, or `loaded_engine`: the tiny model) and derender
+    workers and a gateway, all in this process."""
+    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+
+    group = f"{settings.topic_prefix}-generate"  # /health looks for it
+    if loaded_engine is not None:
+        gen_stop, gen_task = await start_worker(settings, loaded_engine, group_id=group)
+    else:
+        gen_stop, gen_task = await start_worker(settings, None, engine="synthetic", engine_in="thread",
+                                                synthetic_step_s=step_s, max_batch=8, group_id=group)
+    der_stop, der_ready = asyncio.Event(), asyncio.Event()
+    der_task = asyncio.ensure_future(run_derender_worker(
+        settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{settings.topic_prefix}-derender"),
+        stop=der_stop, on_ready=der_ready.set))
+    await asyncio.wait_for(der_ready.wait(), 60)
+    try:
+        async with serving_gateway(settings, str(tiny_model_dir), gateway_id="t1", keepalive_s=keepalive_s) as served:
+            yield served
+    finally:
         gen_stop.set()
         der_stop.set()
         assert await asyncio.wait_for(gen_task, 60) == 0
@@ -358,27 +367,11 @@ async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topi
 @pytest.mark.kafka
 async def test_without_workers_health_is_503_and_a_request_times_out_with_504(kafka_settings, make_topics,
                                                                               tiny_model_dir):
-    import uvicorn
-
-    from workers.gateway.app import Gateway, GatewayConfig
-
     await make_topics(kafka_settings, partitions=2)
-    port = _free_port()
-    gateway = Gateway(kafka_settings, GatewayConfig(tokenizer=str(tiny_model_dir), model_name="tiny",
-                                                    gateway_id="lonely", timeout_s=1.0))
-    server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
-    try:
-        deadline = asyncio.get_running_loop().time() + 60
-        while not server.started:
-            assert asyncio.get_running_loop().time() < deadline and not serving.done()
-            await asyncio.sleep(0.05)  # polling uvicorn's started flag
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-            health = await http.get("/health")
-            assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
-            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
-            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0) as \
+            (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        health = await http.get("/health")
+        assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert gateway.in_flight == 0
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 30)

@@ -11,7 +11,6 @@ what the HTTP client sees. Real broker, worker processes killed with SIGKILL, re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import httpx
@@ -19,34 +18,11 @@ import pytest
 
 from tests.kafka_helpers import read_topic
 from tests.process_helpers import WorkerProcesses
-from tests.test_gateway import _free_port
-from workers.kafka.settings import KafkaSettings
+from tests.test_gateway import serving_gateway
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 GENERATE = ("generate-0", "generate-1", "generate-2")
 PROMPT = [1, 5, 6]
-
-
-@contextlib.asynccontextmanager
-async def gateway(settings: KafkaSettings, tokenizer: str, **config):
-    import uvicorn
-
-    from workers.gateway.app import Gateway, GatewayConfig
-
-    port = _free_port()
-    app = Gateway(settings, GatewayConfig(tokenizer=tokenizer, model_name="tiny", gateway_id="restarts", **config))
-    server = uvicorn.Server(uvicorn.Config(app.app(), host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
-    try:
-        deadline = asyncio.get_running_loop().time() + 60
-        while not server.started:
-            assert asyncio.get_running_loop().time() < deadline, "the gateway did not start"
-            assert not serving.done(), serving.exception() if serving.done() else None
-            await asyncio.sleep(0.05)  # polling uvicorn's started flag (no event to wait on)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 30)
 
 
 def owner(workers: WorkerProcesses, alive: list[str]) -> str:
@@ -80,7 +56,7 @@ async def test_a_generate_worker_killed_under_http_requests(kafka_settings, make
     alive = list(GENERATE)
     try:
         workers.wait_ready()
-        async with gateway(kafka_settings, str(tiny_model_dir)) as base, \
+        async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="restarts") as (base, _), \
                 httpx.AsyncClient(base_url=base, timeout=120) as http:
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True}
 
