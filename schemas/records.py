@@ -40,6 +40,9 @@ class OutputOptions(msgspec.Struct, kw_only=True):
     model: str | None = None
     stream: bool = False
     include_usage: bool = False  # streaming only; non-streamed results always carry usage
+    # streaming with include_usage (vLLM's continuous_usage_stats): every result carries the
+    # usage so far, not only the last
+    continuous_usage: bool = False
     top_logprobs: int = 0  # user-facing k (docs/design.md §5.4)
     stop: list[str] = msgspec.field(default_factory=list)
     include_stop_str_in_output: bool = False

@@ -66,6 +66,17 @@ def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     assert param.split("[")[0].split(".")[0] in str(err.value) or param == "body"
 
 
+def test_continuous_usage_stats_as_vllm_reads_them():
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse({"prompt": "x", "stream": True, "stream_options": both}, "completion", "m").options["continuous_usage"]
+    alone = {"continuous_usage_stats": True}  # without include_usage: no usage at all
+    assert not parse({"prompt": "x", "stream": True, "stream_options": alone}, "completion", "m").options[
+        "continuous_usage"]
+    with pytest.raises(BadParameter) as err:
+        parse({"prompt": "x", "stream_options": both}, "completion", "m")
+    assert err.value.param == "stream_options"
+
+
 def test_the_four_prompt_forms_and_n():
     assert parse({"prompt": "x"}, "completion", "m").prompts == ["x"]
     assert parse({"prompt": ["x", "y"], "n": 3}, "completion", "m").prompts == ["x", "y"]
@@ -173,8 +184,21 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert events[-1] == "[DONE]"
             chunks = [json.loads(e) for e in events[:-1]]
             assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert [c["usage"] for c in chunks[:-1] if c.get("usage")] == []  # usage only in the last
             assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
             assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+            events = []  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "Once", "max_tokens": 5, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: "):]))
+            counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+            assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 1
+            assert all(e["usage"]["prompt_tokens"] == events[0]["usage"]["prompt_tokens"] for e in events)
+            assert not events[-1]["choices"] and events[-1]["usage"]["completion_tokens"] == 5
 
             fan = await http.post("/v1/completions", json={"model": "tiny", "prompt": ["Once", [5, 6, 7]], "n": 2,
                                                            "max_tokens": 3, "ignore_eos": True, "seed": 1})

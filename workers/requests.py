@@ -54,6 +54,7 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                  logprobs: bool | int | None = None, top_logprobs: int | None = None,
                  prompt_logprobs: int | None = None, stream: bool = False, include_usage: bool = False,
+                 continuous_usage: bool = False,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  model: str | None = None, reply_topic: str | None = None, deadline_s: float | None = None,
                  priority: int = 0, created: int | None = None, echo: bool = False) -> GenerateRequest:
@@ -100,7 +101,8 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
         min_p=min_p, seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         logprobs=gen_logprobs, prompt_logprobs=max(wanted) if wanted else None)
     output = OutputOptions(
-        kind=kind, model=model, stream=stream, include_usage=include_usage, top_logprobs=max(k, 0),
+        kind=kind, model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+        top_logprobs=max(k, 0),
         stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
         created=int(time.time()) if created is None else created, echo=echo,

@@ -346,7 +346,9 @@ class Derenderer:
         the end (`finish_reason` set: the request is over)."""
         final = finish_reason is not None
         if req.stream:
-            usage = shaping.usage(req.prompt_tokens, req.generated) if final and req.opts.include_usage else None
+            opts = req.opts
+            usage = (shaping.usage(req.prompt_tokens, req.generated)
+                     if opts.include_usage and (final or opts.continuous_usage) else None)
             if req.chat:
                 value = shaping.chat_chunk(rid, req.created, req.model, text, req.first, logprobs,
                                            finish_reason, usage)

@@ -138,7 +138,8 @@ class Gateway:
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
-            return StreamingResponse(self._events(choices, prompt_of, parsed.options.get("include_usage", False)),
+            return StreamingResponse(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
+                                                  parsed.options.get("continuous_usage", False)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._complete(request, choices, prompt_of)
 
@@ -187,10 +188,11 @@ class Gateway:
                 self._cancel(c.request_id, "another choice of the HTTP request failed")
             raise
 
-    async def _events(self, choices: list, prompt_of: list[int], include_usage: bool):
+    async def _events(self, choices: list, prompt_of: list[int], include_usage: bool, continuous_usage: bool):
         """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end;
         with several choices their records interleave, each with its `index`, and one
-        usage record (the sum) comes last. After the first byte an error can only be an
+        usage record (the sum) comes last (`continuous_usage`: every record also keeps its
+        choice's usage so far). After the first byte an error can only be an
         event; a request that restarted on another generate worker after bytes were sent
         cannot take them back, so the stream ends with an error event saying so (and the
         rest is cancelled)."""
@@ -228,7 +230,8 @@ class Gateway:
                     usages[index] = item.usage
                     if not item.choices:
                         continue  # the per-choice usage record: one summed record comes last
-                    item = msgspec.structs.replace(item, usage=None)
+                    if not continuous_usage:
+                        item = msgspec.structs.replace(item, usage=None)
                 last = reindex(item, index, response_id)
                 yield _event(_json.encode(last))
                 sent = True

@@ -112,9 +112,9 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
         if not isinstance(stream_options, dict):
             raise BadParameter("stream_options", "stream_options must be an object")
         opts["include_usage"] = _bool(stream_options, "include_usage", False, "stream_options.include_usage")
-        if _bool(stream_options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"):
-            raise BadParameter("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported "
-                                                                        "by this gateway yet")
+        # vLLM's rule: the usage so far on every chunk, when usage is asked for at all
+        opts["continuous_usage"] = opts["include_usage"] and _bool(
+            stream_options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
     opts["stream"] = parsed.stream
     return parsed
 
