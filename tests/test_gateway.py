@@ -399,3 +399,55 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
+async def test_the_sync_openai_sdk_n_logprobs_stop_strings_echo_and_errors(kafka_settings, make_topics,
+                                                                        tiny_model_dir, engine):
+    """The official SDK's sync client (in a thread: the gateway runs on this event loop)
+    against the tiny model, greedy: what each parameter does is derived on this machine."""
+    import openai
+
+    await make_topics(kafka_settings, partitions=2)
+    greedy = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    def calls(base: str) -> dict:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        out = {"full": client.completions.create(prompt="Once upon a time", max_tokens=12, **greedy)}
+        text = out["full"].choices[0].text
+        start = next(i for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 3] and text[i:i + 3].strip())
+        out["stop"] = text[start:start + 3]
+        out["stopped"] = client.completions.create(prompt="Once upon a time", max_tokens=12, stop=[out["stop"]],
+                                                   **greedy)
+        out["n"] = client.completions.create(prompt=["Once", "The"], n=2, max_tokens=3, logprobs=2, **greedy)
+        out["chat"] = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                                     logprobs=True, top_logprobs=2, **greedy)
+        out["streamed"] = [c for c in client.chat.completions.create(
+            messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True, **greedy)]
+        out["echo"] = client.completions.create(prompt="Once upon", max_tokens=2, echo=True, **greedy)
+        for name, bad in (("bad", {"prompt": "x", "logprobs": 21}), ("unsupported", {"prompt": "x", "suffix": "y"})):
+            try:
+                client.completions.create(model="tiny", **bad)
+            except openai.BadRequestError as exc:
+                out[name] = exc
+        client.close()
+        return out
+
+    async with running_stack(kafka_settings, tiny_model_dir, loaded_engine=engine) as (base, _):
+        out = await asyncio.to_thread(calls, base)
+
+    full = out["full"].choices[0].text
+    stopped = out["stopped"].choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == full[:full.index(out["stop"])]
+    n = out["n"]
+    assert [c.index for c in n.choices] == [0, 1, 2, 3] and n.usage.completion_tokens == 12
+    assert n.choices[0].text == n.choices[1].text  # greedy: both samples of a prompt agree
+    for choice in n.choices:
+        assert len(choice.logprobs.tokens) == 3 and all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    content = out["chat"].choices[0].logprobs.content
+    assert len(content) == 3 and all(len(position.top_logprobs) == 2 for position in content)
+    streamed = "".join(c.choices[0].delta.content or "" for c in out["streamed"] if c.choices)
+    assert streamed == out["chat"].choices[0].message.content
+    assert out["echo"].choices[0].text.startswith("Once upon")
+    assert out["bad"].status_code == 400 and out["bad"].param == "logprobs"
+    assert out["unsupported"].status_code == 400 and out["unsupported"].param == "suffix"
