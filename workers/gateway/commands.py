@@ -54,6 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
         timeout_s=args.timeout))
+    # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
+    # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
+    # token (BENCHMARKS.md, "HTTP gateway").
     uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 
