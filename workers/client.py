@@ -28,6 +28,7 @@ from schemas import (Cancel, ChatCompletion, Completion, DecodeError, ErrorInfo,
                      RecordError, encode, header_value, headers_for)
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
+from workers.mailbox import KEEPALIVE, TIMED_OUT, Mailbox
 # The library's public names live in two modules of their own; `workers.client` is
 # where users import them from (README "From Python").
 from workers.requests import load_tokenizer, make_request, render_chat, render_prompt
@@ -46,17 +47,6 @@ SINCE_MARGIN_S = 5.0
 
 
 # --- the client --------------------------------------------------------------------------
-
-
-async def queue_get(queue: asyncio.Queue, timeout: float):
-    """`queue.get()` within `timeout` seconds (TimeoutError), on every result's path: an
-    item already there is taken at once, and the wait is `asyncio.timeout`, not
-    `asyncio.wait_for`, which on Python 3.11 wraps the get in a new Task each time
-    (ops/bench/gateway.py found it among the gateway's largest costs)."""
-    if not queue.empty():
-        return queue.get_nowait()
-    async with asyncio.timeout(timeout):
-        return await queue.get()
 
 
 class _Closed:
@@ -93,7 +83,7 @@ class GenpipeClient:
         self._producer = None
         self._consumer = None
         self._dispatcher: asyncio.Task | None = None
-        self._waiting: dict[str, asyncio.Queue] = {}
+        self._waiting: dict[str, Mailbox] = {}
         self._closed: _Closed | None = None
 
     # --- lifecycle -------------------------------------------------------------------
@@ -149,8 +139,8 @@ class GenpipeClient:
 
     def _fail_waiting(self, error: BaseException | None) -> None:
         self._closed = _Closed(error)
-        for queue in self._waiting.values():
-            queue.put_nowait(self._closed)
+        for mailbox in self._waiting.values():
+            mailbox.put(self._closed)
 
     async def _dispatch(self) -> None:
         from workers.kafka.follow import batches
@@ -160,9 +150,9 @@ class GenpipeClient:
                 for message in records:
                     if message.key is None:
                         continue
-                    queue = self._waiting.get(message.key.decode("utf-8", "replace"))
-                    if queue is not None:
-                        queue.put_nowait(message)
+                    mailbox = self._waiting.get(message.key.decode("utf-8", "replace"))
+                    if mailbox is not None:
+                        mailbox.put(message)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the follower broke: wake every waiting request
@@ -213,13 +203,16 @@ class GenpipeClient:
 
     # --- receiving -------------------------------------------------------------------
 
-    async def records(self, request: GenerateRequest, *, timeout_s: float | None = None) -> AsyncIterator[ResultMessage]:
+    async def records(self, request: GenerateRequest, *, timeout_s: float | None = None,
+                      keepalive_s: float | None = None) -> AsyncIterator[ResultMessage]:
         """Send `request`, then yield its result records, deduplicated, until the final one.
 
         A record that starts a new attempt after records of an older one were yielded has
-        `restart=True`. Raises GenpipeTimeout when no next record arrives within the
-        timeout; error results are yielded, not raised. Leaving early (break, timeout,
-        an exception) cancels the request unless `cancel_on_abandon=False`.
+        `restart=True`. Raises GenpipeTimeout when no record arrives for the timeout (after
+        the send, or after the previous record); error results are yielded, not raised.
+        With `keepalive_s`, `KEEPALIVE` is yielded after each such quiet spell (a relay,
+        such as the HTTP gateway, sends its client a sign of life). Leaving early (break,
+        timeout, an exception) cancels the request unless `cancel_on_abandon=False`.
         """
         self._require_started()
         request = self._prepare(request)
@@ -229,18 +222,20 @@ class GenpipeClient:
         if self._closed is not None and self._closed.error is not None:
             raise RuntimeError(f"the client's reader of {self.reply_topic} failed: {self._closed.error}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._waiting[rid] = queue  # before sending: no result can slip past
+        mailbox = Mailbox(timeout, keepalive_s)
+        self._waiting[rid] = mailbox  # before sending: no result can slip past
         finished = False
         try:
             await self.submit(request)
+            mailbox.start()
             filt = AttemptFilter()
             while True:
-                try:
-                    message = await queue_get(queue, timeout)
-                except asyncio.TimeoutError:
-                    raise GenpipeTimeout(self._timeout_message(rid, timeout, filt.accepted),
-                                         request_id=rid) from None
+                message = await mailbox.get()
+                if message is KEEPALIVE:
+                    yield message
+                    continue
+                if message is TIMED_OUT:
+                    raise GenpipeTimeout(self._timeout_message(rid, timeout, filt.accepted), request_id=rid)
                 if isinstance(message, _Closed):
                     if message.error is not None:
                         raise RuntimeError(f"the client's reader of {self.reply_topic} failed: "
@@ -255,7 +250,8 @@ class GenpipeClient:
                 if finished:
                     return
         finally:
-            if self._waiting.get(rid) is queue:
+            mailbox.close()
+            if self._waiting.get(rid) is mailbox:
                 del self._waiting[rid]
             if not finished and self.cancel_on_abandon and self._producer is not None:
                 try:

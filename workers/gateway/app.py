@@ -27,15 +27,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas.openai import ErrorResponse
-from workers.client import (GenpipeClient, GenpipeError, GenpipeTimeout, Restart, make_request, queue_get,
-                            render_chat, render_prompt)
+from workers.client import GenpipeClient, GenpipeError, GenpipeTimeout, make_request, render_chat, render_prompt
 from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
+from workers.mailbox import KEEPALIVE
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-_END = object()  # queue marker: a choice's stream ended
 
 
 @dataclass
@@ -192,49 +191,42 @@ class Gateway:
         """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end;
         with several choices their records interleave, each with its `index`, and one
         usage record (the sum) comes last (`continuous_usage`: every record also keeps its
-        choice's usage so far). After the first byte an error can only be an
-        event; a request that restarted on another generate worker after bytes were sent
-        cannot take them back, so the stream ends with an error event saying so (and the
-        rest is cancelled)."""
+        choice's usage so far). A quiet stream gets a `: keep-alive` comment every
+        `keepalive_s`. After the first byte an error can only be an event; a request that
+        restarted on another generate worker after bytes were sent cannot take them back,
+        so the stream ends with an error event saying so (and the rest is cancelled)."""
         self.in_flight += 1
         response_id = f"{'chatcmpl' if choices[0].output.kind == 'chat' else 'cmpl'}-{choices[0].request_id}"
-        queue: asyncio.Queue = asyncio.Queue(maxsize=256)  # bounded: a slow HTTP reader slows the readers
-        readers = [asyncio.ensure_future(self._read_choice(c, i, queue)) for i, c in enumerate(choices)]
-        finished, sent, open_choices = set(), False, len(choices)
+        finished, sent = set(), False
         usages: list = [None] * len(choices)
         last = None
+        records = self._one(choices[0]) if len(choices) == 1 else self._merged(choices)
         try:
-            while open_choices:
-                try:
-                    index, item = await queue_get(queue, self.config.keepalive_s)
-                except asyncio.TimeoutError:
-                    yield b": keep-alive\n\n"  # an SSE comment: clients ignore it
-                    continue
-                if item is _END:
-                    open_choices -= 1
-                    finished.add(index)
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, Restart):
-                    if sent:
+            async with contextlib.aclosing(records):
+                async for index, record in records:
+                    if record is KEEPALIVE:
+                        yield b": keep-alive\n\n"  # an SSE comment: clients ignore it
+                        continue
+                    if record.restart and sent:
                         yield _event(error_body("the request was restarted by the pipeline after part of its "
                                                 "output was sent; the output so far is void: send the request "
                                                 "again", "server_error", code=500))
                         return
-                    continue
-                if isinstance(item, ErrorResponse):
-                    yield _event(_json.encode(item))
-                    return
-                if item.usage is not None:
-                    usages[index] = item.usage
-                    if not item.choices:
-                        continue  # the per-choice usage record: one summed record comes last
-                    if not continuous_usage:
-                        item = msgspec.structs.replace(item, usage=None)
-                last = reindex(item, index, response_id)
-                yield _event(_json.encode(last))
-                sent = True
+                    if record.final:
+                        finished.add(index)
+                    item = record.value
+                    if isinstance(item, ErrorResponse):
+                        yield _event(_json.encode(item))
+                        return
+                    if item.usage is not None:
+                        usages[index] = item.usage
+                        if not item.choices:
+                            continue  # the per-choice usage record: one summed record comes last
+                        if not continuous_usage:
+                            item = msgspec.structs.replace(item, usage=None)
+                    last = reindex(item, index, response_id)
+                    yield _event(_json.encode(last))
+                    sent = True
             if include_usage and last is not None:
                 usage = total_usage(usages, prompt_of)
                 yield _event(_json.encode(msgspec.structs.replace(last, choices=[], usage=usage)))
@@ -245,22 +237,46 @@ class Gateway:
             yield _event(error_body(exc.message, exc.type, exc.param, exc.code))
         finally:
             self.in_flight -= 1
-            for reader in readers:
-                reader.cancel()
             for i, c in enumerate(choices):
                 if i not in finished:  # the HTTP client went away, or the stream ended early
                     self._cancel(c.request_id, "the HTTP stream ended before the request")
 
-    async def _read_choice(self, generate_request, index: int, queue: asyncio.Queue) -> None:
+    async def _one(self, choice):
+        """The records of a single-choice request as (0, record): straight from the
+        client's inbox, no task or queue between (the common case, on every token)."""
+        async with contextlib.aclosing(self.client.records(choice, keepalive_s=self.config.keepalive_s)) as records:
+            async for record in records:
+                yield 0, record
+
+    async def _merged(self, choices: list):
+        """The records of several choices as (index, record), interleaved as they come: a
+        reader task per choice, one bounded queue (a slow HTTP reader slows the readers)."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=256)
+
+        async def read(index: int, choice) -> None:
+            try:
+                async with contextlib.aclosing(self.client.records(
+                        choice, keepalive_s=self.config.keepalive_s)) as records:
+                    async for record in records:
+                        await queue.put((index, record))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                await queue.put((index, exc))
+
+        readers = [asyncio.ensure_future(read(i, c)) for i, c in enumerate(choices)]
         try:
-            async with contextlib.aclosing(self.client.stream(generate_request, raise_errors=False)) as items:
-                async for item in items:
-                    await queue.put((index, item))
-            await queue.put((index, _END))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            await queue.put((index, exc))
+            open_choices = len(choices)
+            while open_choices:
+                index, record = await queue.get()
+                if isinstance(record, BaseException):
+                    raise record
+                if record is not KEEPALIVE and record.final:
+                    open_choices -= 1
+                yield index, record
+        finally:
+            for reader in readers:
+                reader.cancel()
 
     def _cancel(self, request_id: str, reason: str) -> None:
         # Not awaited here: this runs while the response's task is being cancelled.

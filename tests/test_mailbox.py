@@ -1,0 +1,85 @@
+"""A waiting request's inbox (workers/mailbox.py): order, timeout, keep-alive. No broker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from workers.mailbox import KEEPALIVE, TIMED_OUT, Mailbox
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_records_come_out_in_order_and_a_waiting_reader_wakes():
+    async def main():
+        box = Mailbox(timeout_s=60)
+        box.start()
+        reader = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)  # the reader is waiting now
+        box.put("a")
+        box.put("b")
+        got = [await reader, await box.get()]
+        box.close()
+        return got
+
+    assert run(main()) == ["a", "b"]
+
+
+def test_a_quiet_request_times_out_after_what_it_received():
+    async def main():
+        box = Mailbox(timeout_s=0.05)
+        box.put("early")  # arrived while the request was being sent
+        box.start()
+        return [await box.get(), await box.get()]
+
+    assert run(main()) == ["early", TIMED_OUT]
+
+
+def test_records_keep_the_timeout_away_and_keepalives_do_not():
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = Mailbox(timeout_s=1.0, keepalive_s=0.2)
+        box.start()
+        started = loop.time()
+        got = []
+
+        async def feed():  # a record every 50 ms for 1.5 s: longer than the timeout
+            for i in range(30):
+                box.put(i)
+                await asyncio.sleep(0.05)
+
+        feeder = asyncio.ensure_future(feed())
+        while True:
+            item = await box.get()
+            got.append(item)
+            if item is TIMED_OUT:
+                break
+        await feeder
+        return got, loop.time() - started
+
+    got, took = run(main())
+    records = [g for g in got if isinstance(g, int)]
+    assert records == list(range(30)), "every record, in order, before the timeout"
+    assert got[-1] is TIMED_OUT and got.index(TIMED_OUT) == len(got) - 1
+    # After the last record: keep-alives every 0.2 s, then the timeout 1 s after that record
+    # (keep-alives are not records: they do not push it back).
+    tail = got[got.index(29) + 1:-1]
+    assert tail and all(t is KEEPALIVE for t in tail)
+    assert len(tail) <= 5
+    assert took >= 1.5 + 1.0 - 0.05
+
+
+@pytest.mark.parametrize("keepalive", [None, 0.05])
+def test_close_stops_the_timer(keepalive):
+    async def main():
+        box = Mailbox(timeout_s=0.05, keepalive_s=keepalive)
+        box.start()
+        box.close()
+        await asyncio.sleep(0.2)  # past both periods: nothing may arrive
+        box.put("only")
+        return await box.get()
+
+    assert run(main()) == "only"

@@ -1,0 +1,95 @@
+"""A waiting request's inbox: the records the client's one reader hands to it, in order.
+
+The path every result record takes to the code waiting for it, so it is kept cheap: a
+deque and one future, not an `asyncio.Queue` (whose put and get do bookkeeping for
+`join()` nobody calls here), and one timer per request instead of a timeout around every
+get. `asyncio.timeout` cancels and re-arms a timer for each record, and with the gateway's
+second timeout (keep-alive) that was a quarter of its CPU per streamed token (py-spy,
+`ops/bench/gateway.py --parts streams`). Here a record costs a clock read; the timer
+fires only after a quiet spell and then decides:
+
+* nothing arrived for `timeout_s` since the previous record (or since `start()`):
+  `TIMED_OUT` is put in the inbox (after whatever came before it);
+* with `keepalive_s`, nothing arrived (and no `KEEPALIVE` was put) for that long:
+  `KEEPALIVE` is put, so a reader that relays a stream can say it is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class _Marker:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TIMED_OUT = _Marker("TIMED_OUT")
+KEEPALIVE = _Marker("KEEPALIVE")
+# The loop may run a timer up to its clock resolution early; an early wake-up re-arms.
+_EARLY_S = 1e-3
+
+
+class Mailbox:
+    """One request's inbox (single reader). `put` never blocks: the reader of the reply
+    topic must not wait for one slow request; what bounds an inbox is the request itself
+    (its records are as many as its chunks)."""
+
+    __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s")
+
+    def __init__(self, timeout_s: float, keepalive_s: float | None = None):
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = self._quiet = self._loop.time()
+        self.timeout_s = float(timeout_s)
+        self.keepalive_s = float(keepalive_s) if keepalive_s else None
+
+    def put(self, item) -> None:
+        self._last = self._loop.time()
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def start(self) -> None:
+        """Start the clocks (call it once the request is sent)."""
+        self._last = self._quiet = self._loop.time()
+        self._arm()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self) -> None:
+        due = self._last + self.timeout_s
+        if self.keepalive_s is not None:
+            due = min(due, max(self._last, self._quiet) + self.keepalive_s)
+        self._timer = self._loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if now - self._last >= self.timeout_s - _EARLY_S:
+            self._timer = None
+            self.put(TIMED_OUT)
+            return
+        if self.keepalive_s is not None and now - max(self._last, self._quiet) >= self.keepalive_s - _EARLY_S:
+            last = self._last
+            self.put(KEEPALIVE)
+            self._last, self._quiet = last, now  # a keep-alive is not a record: the timeout runs on
+        self._arm()
