@@ -92,7 +92,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        from workers.gc_tuning import tune_after_startup
+
         await self.start()
+        tune_after_startup()  # as the workers do: start-up's objects out of the collector's way
         try:
             yield
         finally:
