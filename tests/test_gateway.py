@@ -134,9 +134,10 @@ async def serving_gateway(settings, tokenizer: str, **config):
 
 
 @contextlib.asynccontextmanager
-async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None):
+async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None,
+                        **gateway_config):
     """Generate (the synthetic engine, or `loaded_engine`: the tiny model) and derender
-    workers and a gateway, all in this process."""
+    workers and a gateway (`gateway_config`: more GatewayConfig fields), all in this process."""
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 
     group = f"{settings.topic_prefix}-generate"  # /health looks for it
@@ -151,7 +152,8 @@ async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0
         stop=der_stop, on_ready=der_ready.set))
     await asyncio.wait_for(der_ready.wait(), 60)
     try:
-        async with serving_gateway(settings, str(tiny_model_dir), gateway_id="t1", keepalive_s=keepalive_s) as served:
+        async with serving_gateway(settings, str(tiny_model_dir), gateway_id="t1", keepalive_s=keepalive_s,
+                                   **gateway_config) as served:
             yield served
     finally:
         gen_stop.set()
@@ -372,6 +374,49 @@ async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_
         while gateway.in_flight:
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.05)  # polling a counter the response task decrements
+
+
+@pytest.mark.kafka
+async def test_a_client_that_stops_reading_is_cut_off_not_buffered_without_end(kafka_settings, make_topics,
+                                                                               tiny_model_dir):
+    """A streaming client that stops reading (its socket's buffers full): the gateway keeps
+    at most --max-unread records for it, then gives the request up (a Cancel on the
+    topic at once) and, once the client reads again, ends the stream with an error event."""
+    from schemas import Cancel
+    from tests.kafka_helpers import read_topic
+    from workers.kafka.records import decode_message
+
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.001, max_unread=8) as (base, gateway):
+        host, port = base.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway's writes stall
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)  # reads stop at ~2 KiB buffered
+        body = json.dumps({"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 6000, "ignore_eos": True,
+                           "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        # Not reading now. The gateway gives up on the request while it still runs:
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
+                                   until=lambda records: len(records) >= 1)
+        reason = decode_message(cancels[0], Cancel).reason
+        assert "fell 8 result records behind" in reason and "max_unread" in reason, reason
+        received = b""
+        while chunk := await asyncio.wait_for(reader.read(65536), 60):  # reading again, to the end
+            received += chunk
+            if received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                break
+        writer.close()
+    events = [line[len("data: "):] for line in received.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] != "[DONE]"
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == 500 and "fell 8 result records behind" in error["message"]
+    tokens = sum(1 for e in events[:-1] if json.loads(e)["choices"])
+    assert 0 < tokens < 6000  # cut off: the rest was never buffered for it
+    assert gateway.in_flight == 0
 
 
 @pytest.mark.kafka

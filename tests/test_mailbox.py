@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from workers.mailbox import KEEPALIVE, TIMED_OUT, Mailbox
+from workers.mailbox import KEEPALIVE, OVERFLOW, TIMED_OUT, Mailbox
 
 
 def run(coro):
@@ -83,3 +83,19 @@ def test_close_stops_the_timer(keepalive):
         return await box.get()
 
     assert run(main()) == "only"
+
+
+def test_a_bounded_inbox_drops_what_was_unread_and_says_so_once():
+    async def main():
+        box = Mailbox(timeout_s=60, max_items=3)
+        box.start()
+        for i in range(3):
+            box.put(i)
+        box.put(3)  # one too many: the reader fell behind
+        box.put(4)
+        got = [await box.get()]
+        box.put(5)
+        return got, box.overflowed, len(box._items)
+
+    got, dropped, left = run(main())
+    assert got == [OVERFLOW] and dropped == 6 and left == 0

@@ -28,7 +28,7 @@ from schemas import (Cancel, ChatCompletion, Completion, DecodeError, ErrorInfo,
                      RecordError, encode, header_value, headers_for)
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
-from workers.mailbox import KEEPALIVE, TIMED_OUT, Mailbox
+from workers.mailbox import KEEPALIVE, OVERFLOW, TIMED_OUT, Mailbox
 # The library's public names live in two modules of their own; `workers.client` is
 # where users import them from (README "From Python").
 from workers.requests import load_tokenizer, make_request, render_chat, render_prompt
@@ -67,11 +67,16 @@ class GenpipeClient:
     request (a request that keeps producing results never times out). `send_timeout_s`
     bounds the wait for Kafka to acknowledge a request or a cancel: past it the call
     raises `GenpipeUnavailable` (the record may still be delivered once Kafka is back).
+    `max_unread` bounds the records one request may have waiting unread (None: no
+    bound); a request whose reader falls that far behind fails with `GenpipeError`
+    (code 500) and is cancelled: the HTTP gateway sets it, so a client that stops
+    reading its stream cannot make the gateway grow without end.
     """
 
     def __init__(self, bootstrap_servers: str | None = None, *, settings: KafkaSettings | None = None,
                  reply_topic: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 cancel_on_abandon: bool = True, send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S):
+                 cancel_on_abandon: bool = True, send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 max_unread: int | None = None):
         settings = settings if settings is not None else KafkaSettings.from_env()
         if bootstrap_servers:
             settings = dataclasses.replace(settings, bootstrap_servers=bootstrap_servers)
@@ -80,6 +85,9 @@ class GenpipeClient:
         self.timeout_s = float(timeout_s)
         self.send_timeout_s = float(send_timeout_s)
         self.cancel_on_abandon = cancel_on_abandon
+        if max_unread is not None and max_unread < 1:
+            raise ValueError(f"max_unread must be at least 1 (or None), got {max_unread}")
+        self.max_unread = max_unread
         self._producer = None
         self._consumer = None
         self._dispatcher: asyncio.Task | None = None
@@ -222,7 +230,7 @@ class GenpipeClient:
         if self._closed is not None and self._closed.error is not None:
             raise RuntimeError(f"the client's reader of {self.reply_topic} failed: {self._closed.error}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        mailbox = Mailbox(timeout, keepalive_s)
+        mailbox = Mailbox(timeout, keepalive_s, self.max_unread)
         self._waiting[rid] = mailbox  # before sending: no result can slip past
         finished = False
         try:
@@ -236,6 +244,11 @@ class GenpipeClient:
                     continue
                 if message is TIMED_OUT:
                     raise GenpipeTimeout(self._timeout_message(rid, timeout, filt.accepted), request_id=rid)
+                if message is OVERFLOW:
+                    raise GenpipeError(
+                        f"request {rid}: its reader fell {self.max_unread} result records behind (the "
+                        f"client's max_unread); the request was given up ({mailbox.overflowed} records "
+                        f"dropped)", "server_error", code=500, request_id=rid)
                 if isinstance(message, _Closed):
                     if message.error is not None:
                         raise RuntimeError(f"the client's reader of {self.reply_topic} failed: "

@@ -12,6 +12,11 @@ fires only after a quiet spell and then decides:
   `TIMED_OUT` is put in the inbox (after whatever came before it);
 * with `keepalive_s`, nothing arrived (and no `KEEPALIVE` was put) for that long:
   `KEEPALIVE` is put, so a reader that relays a stream can say it is still alive.
+
+With `max_items`, an inbox is bounded: a reader that falls that far behind (an HTTP client
+that stopped reading while its request still produces) does not make the process grow
+without end. What it had not read is dropped at once and `OVERFLOW` is all it gets next:
+the request has failed, and its reader says so.
 """
 
 from __future__ import annotations
@@ -30,18 +35,20 @@ class _Marker:
 
 TIMED_OUT = _Marker("TIMED_OUT")
 KEEPALIVE = _Marker("KEEPALIVE")
+OVERFLOW = _Marker("OVERFLOW")
 # The loop may run a timer up to its clock resolution early; an early wake-up re-arms.
 _EARLY_S = 1e-3
 
 
 class Mailbox:
     """One request's inbox (single reader). `put` never blocks: the reader of the reply
-    topic must not wait for one slow request; what bounds an inbox is the request itself
-    (its records are as many as its chunks)."""
+    topic must not wait for one slow request. Without `max_items` what bounds an inbox is
+    the request itself (its records are as many as its chunks)."""
 
-    __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s")
+    __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s",
+                 "max_items", "overflowed")
 
-    def __init__(self, timeout_s: float, keepalive_s: float | None = None):
+    def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None):
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._loop = asyncio.get_running_loop()
@@ -49,9 +56,19 @@ class Mailbox:
         self._last = self._quiet = self._loop.time()
         self.timeout_s = float(timeout_s)
         self.keepalive_s = float(keepalive_s) if keepalive_s else None
+        self.max_items = max_items
+        self.overflowed = 0  # items dropped: unread when the bound was reached, and after
 
     def put(self, item) -> None:
         self._last = self._loop.time()
+        if self.overflowed:
+            self.overflowed += 1
+            return
+        if self.max_items is not None and len(self._items) >= self.max_items:
+            self.close()  # the request has failed: no timeout or keep-alive after this
+            self.overflowed = len(self._items) + 1
+            self._items.clear()
+            item = OVERFLOW
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -47,6 +47,7 @@ class GatewayConfig:
     timeout_s: float = 120.0  # no result for this long: 504
     send_timeout_s: float = 15.0  # Kafka took no request for this long: 503
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
+    max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -67,7 +68,8 @@ class Gateway:
         # The gateway cancels what it abandons itself, saying why (the HTTP client went away,
         # another choice failed, a timeout): one cancel record per request, not two.
         self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s,
-                                    send_timeout_s=config.send_timeout_s, cancel_on_abandon=False)
+                                    send_timeout_s=config.send_timeout_s, cancel_on_abandon=False,
+                                    max_unread=config.max_unread)
         self.in_flight = 0
         self._background: set[asyncio.Task] = set()
         self.max_model_len = _max_model_len(config.tokenizer)
@@ -204,6 +206,13 @@ class Gateway:
         usages: list = [None] * len(choices)
         last = None
         records = self._one(choices[0]) if len(choices) == 1 else self._merged(choices)
+
+        def cancel_rest(reason: str) -> None:
+            for i, c in enumerate(choices):
+                if i not in finished:
+                    finished.add(i)
+                    self._cancel(c.request_id, reason)
+
         try:
             async with contextlib.aclosing(records):
                 async for index, record in records:
@@ -234,15 +243,15 @@ class Gateway:
                 usage = total_usage(usages, prompt_of)
                 yield _event(_json.encode(msgspec.structs.replace(last, choices=[], usage=usage)))
             yield b"data: [DONE]\n\n"
-        except GenpipeTimeout as exc:
-            yield _event(error_body(str(exc), "timeout", code=504))
-        except GenpipeError as exc:
-            yield _event(error_body(exc.message, exc.type, exc.param, exc.code))
+        except GenpipeError as exc:  # a timeout, or the HTTP client stopped reading (max_unread)
+            # Cancel first: the error event may wait on a client that does not read.
+            cancel_rest(f"the HTTP stream failed: {exc.message[:200]}")
+            timeout = isinstance(exc, GenpipeTimeout)
+            yield _event(error_body(exc.message, exc.type, exc.param, 504 if timeout else exc.code))
         finally:
             self.in_flight -= 1
-            for i, c in enumerate(choices):
-                if i not in finished:  # the HTTP client went away, or the stream ended early
-                    self._cancel(c.request_id, "the HTTP stream ended before the request")
+            # the HTTP client went away, or the stream ended early
+            cancel_rest("the HTTP stream ended before the request")
 
     async def _one(self, choice):
         """The records of a single-choice request as (0, record): straight from the

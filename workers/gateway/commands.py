@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = Gateway(settings, GatewayConfig(
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
-        timeout_s=args.timeout))
+        timeout_s=args.timeout, max_unread=args.max_unread))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -88,6 +88,11 @@ def register(sub) -> None:
                             "GENPIPE_GATEWAY_ID; default: the host name). Unique per gateway process")
     serve.add_argument("--max-in-flight", type=at_least(1), default=1024,
                        help="open requests at most; more get 429 (default %(default)s)")
+    serve.add_argument("--max-unread", type=at_least(1), default=1024,
+                       help="result records one request may have waiting while its HTTP client does not "
+                            "read (past the socket's buffers); a stream that falls further behind ends with "
+                            "an error event and its request is cancelled, so a stalled client cannot make "
+                            "the gateway grow without end (default %(default)s)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
                        help="seconds without a result before a request gets 504 (default %(default)s)")
     add_log_level(serve)
