@@ -366,10 +366,17 @@ async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_
                     "model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as s:
                 async for line in s.aiter_lines():
                     if line.startswith("data: "):
+                        request_id = json.loads(line[len("data: "):])["id"].removeprefix("cmpl-")
                         break  # one event, then hang up
         cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30,
                                    until=lambda records: len(records) >= 1)
         assert "HTTP" in decode_message(cancels[0], Cancel).reason
+        # ... and the engine let it go: its last record (nobody reads it) is an abort, long
+        # before its 1,500 tokens (7.5 s of 5 ms steps).
+        finals = await read_topic(kafka_settings, gateway.reply_topic, timeout=30, until=lambda records: any(
+            r.key == request_id.encode() and dict(r.headers).get("genpipe-final") == b"1" for r in records))
+        final = next(r for r in finals if r.key == request_id.encode() and dict(r.headers).get("genpipe-final"))
+        assert json.loads(final.value)["choices"][0]["finish_reason"] == "abort"
         deadline = asyncio.get_running_loop().time() + 30
         while gateway.in_flight:
             assert asyncio.get_running_loop().time() < deadline
