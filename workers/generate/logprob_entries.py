@@ -32,8 +32,13 @@ class RowLogprobs(msgspec.Struct, array_like=True, gc=False):
     sampled_id: int
     rank: int  # the >= rule; 0 marks a NaN row (every entry -9999.0, rank None)
     value: float
-    top_ids: list[int]  # the request's top k in rank order (slot j has rank j+1)
-    top_values: list[float]
+    # The request's top k in rank order (slot j has rank j+1). Tuples, not lists, when
+    # decoded from the engine pipe: the worker holds a request's rows until its chunk
+    # goes out, and a list of numbers is scanned by every garbage collection it lives
+    # through while a tuple of numbers is dropped from the collector's view at the
+    # first (decode + hold at k=5: ops/bench/engine_pipe.py --hold).
+    top_ids: tuple[int, ...]
+    top_values: tuple[float, ...]
 
     def content(self) -> GenerateLogProbsContent:
         """The wire entry: the sampled id first, then the top entries without it, cut to

@@ -17,8 +17,10 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     """What one step produced for one request."""
 
     request_id: str
-    token_ids: list[int]  # 0 or 1 new ids
-    logprobs: list[RowLogprobs] | None = None  # aligned with token_ids, if asked (.content(): wire form)
+    # Tuples when decoded from the pipe (not lists: see RowLogprobs.top_ids); the engine
+    # builds lists, which encode the same.
+    token_ids: tuple[int, ...]  # 0 or 1 new ids
+    logprobs: tuple[RowLogprobs, ...] | None = None  # aligned with token_ids, if asked (.content(): wire form)
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only
