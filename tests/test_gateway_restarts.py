@@ -1,11 +1,14 @@
-"""`genpipe serve` when a generate worker dies under a request (docs/design.md §9):
-what the HTTP client sees. Real broker, worker processes killed with SIGKILL, real HTTP.
+"""`genpipe serve` when a generate worker, or the gateway itself, dies under a request
+(docs/design.md §9): what the HTTP client sees. Real broker, processes killed with
+SIGKILL, real HTTP.
 
 - Streamed, after bytes went out: the gateway cannot take them back, so the stream ends
   with an error event saying the output so far is void (no `[DONE]`), and the request's
   new attempt is cancelled, so it does not hold an engine row for nobody.
 - Not streamed (nothing sent yet): the restart is invisible; the answer is the new
   attempt's, whole, exactly what an uninterrupted run gives.
+- The gateway itself killed mid-stream: the connection breaks before the body's end (no
+  `[DONE]`: an error in any HTTP client); one started again with the same id answers.
 """
 
 from __future__ import annotations
@@ -98,3 +101,64 @@ async def test_a_generate_worker_killed_under_http_requests(kafka_settings, make
     finally:
         codes = workers.stop_all()
     assert all(codes[name] == 0 for name in alive + ["derender-0"]), codes
+
+
+async def _wait_healthy(http: httpx.AsyncClient, proc, timeout: float = 120.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        assert proc.poll() is None, "the gateway exited"
+        try:
+            if (await http.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        assert asyncio.get_running_loop().time() < deadline, "the gateway did not become healthy"
+        await asyncio.sleep(0.1)  # polling /health: the condition is checked, not assumed
+
+
+async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, make_topics, tiny_model_dir, tmp_path):
+    """What an HTTP client sees when the gateway itself dies (kill -9) under its stream: the
+    connection breaks before the body ends (no `[DONE]`), which every HTTP client reports
+    as an error. A gateway started again with the same --gateway-id takes the same reply
+    topic and answers the same request in full."""
+    from tests.test_gateway import _free_port
+
+    await make_topics(kafka_settings, partitions=1)
+    workers = WorkerProcesses(tmp_path)
+    common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
+    workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
+                  *common)
+    workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+    port = _free_port()
+    serve = ["serve", "--port", str(port), "--gateway-id", "gw-restart", "--tokenizer", str(tiny_model_dir),
+             "--model-name", "tiny", *common]
+    try:
+        workers.wait_ready()
+        gateway = workers.start("gateway", *serve)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            await _wait_healthy(http, gateway)
+            events: list[str] = []
+            with pytest.raises(httpx.RemoteProtocolError):  # the chunked body ends mid-way
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                    assert stream.status_code == 200
+                    async for line in stream.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[len("data: "):])
+                            if len(events) == 1:
+                                workers.kill("gateway")
+            assert events and "[DONE]" not in events
+
+            gateway = workers.start("gateway-again", *serve)
+            await _wait_healthy(http, gateway)
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            result = response.json()
+            assert result["usage"]["completion_tokens"] == 200
+            assert result["choices"][0]["text"] == uninterrupted_text(
+                str(tiny_model_dir), result["id"].removeprefix("cmpl-"), 200)
+    finally:
+        codes = workers.stop_all()
+    assert codes["generate-0"] == 0 and codes["derender-0"] == 0, codes
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it (exit status -15 / 143)
+    assert codes["gateway-again"] in (0, -15) and "Application shutdown complete" in workers.log("gateway-again")
