@@ -431,13 +431,24 @@ async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topi
     await make_topics(kafka_settings, partitions=2)
     async with running_stack(kafka_settings, tiny_model_dir, step_s=0.3, keepalive_s=0.05) as (base, _):
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            relayed_before = _relayed(await http.get("/metrics"))
             lines = []
             async with http.stream("POST", "/v1/completions", json={
                     "model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}) as s:
                 async for line in s.aiter_lines():
                     lines.append(line)
+            relayed = _relayed(await http.get("/metrics")) - relayed_before
     assert ": keep-alive" in lines  # between tokens 0.3 s apart
-    assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    # /metrics: every event's relay time (its record read -> handed to the HTTP server) observed
+    assert relayed == len(events) - 1
+
+
+def _relayed(metrics: httpx.Response) -> float:
+    assert metrics.status_code == 200
+    line = next(line for line in metrics.text.splitlines() if line.startswith("genpipe_gateway_relay_seconds_count"))
+    return float(line.split()[-1])
 
 
 @pytest.mark.kafka

@@ -254,7 +254,7 @@ class GenpipeClient:
                         raise RuntimeError(f"the client's reader of {self.reply_topic} failed: "
                                            f"{message.error}") from message.error
                     raise RuntimeError(f"GenpipeClient closed while request {rid!r} was waiting")
-                item = self._accept(filt, rid, message)
+                item = self._accept(filt, rid, message, mailbox.received_at)
                 if item is None:
                     continue
                 if item.final:
@@ -272,7 +272,7 @@ class GenpipeClient:
                 except Exception as exc:  # best effort
                     log.debug("could not cancel %s: %s", rid, exc)
 
-    def _accept(self, filt: AttemptFilter, rid: str, message) -> ResultMessage | None:
+    def _accept(self, filt: AttemptFilter, rid: str, message, received_at: float = 0.0) -> ResultMessage | None:
         headers = list(message.headers or ())
         attempt = header_value(headers, HEADER_ATTEMPT)
         seq_text = header_value(headers, HEADER_SEQ)
@@ -291,7 +291,8 @@ class GenpipeClient:
         return ResultMessage(
             request_id=rid, value=value, raw=message.value, headers=headers, attempt=attempt, seq=seq,
             final=header_value(headers, HEADER_FINAL) == "1", restart=restart, topic=message.topic,
-            partition=message.partition, offset=message.offset, timestamp=message.timestamp)
+            partition=message.partition, offset=message.offset, timestamp=message.timestamp,
+            received_at=received_at)
 
     def _timeout_message(self, rid: str, timeout: float, received: int) -> str:
         where = (f"are a generate and a derender worker running on topic prefix "

@@ -46,7 +46,7 @@ class Mailbox:
     the request itself (its records are as many as its chunks)."""
 
     __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s",
-                 "max_items", "overflowed")
+                 "max_items", "overflowed", "received_at")
 
     def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None):
         self._items: deque = deque()
@@ -58,9 +58,10 @@ class Mailbox:
         self.keepalive_s = float(keepalive_s) if keepalive_s else None
         self.max_items = max_items
         self.overflowed = 0  # items dropped: unread when the bound was reached, and after
+        self.received_at = 0.0  # when the item `get` returned last was put (the loop's clock)
 
     def put(self, item) -> None:
-        self._last = self._loop.time()
+        now = self._last = self._loop.time()
         if self.overflowed:
             self.overflowed += 1
             return
@@ -69,7 +70,7 @@ class Mailbox:
             self.overflowed = len(self._items) + 1
             self._items.clear()
             item = OVERFLOW
-        self._items.append(item)
+        self._items.append((item, now))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -81,7 +82,8 @@ class Mailbox:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
+        item, self.received_at = self._items.popleft()
+        return item
 
     def start(self) -> None:
         """Start the clocks (call it once the request is sent)."""

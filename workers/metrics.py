@@ -37,6 +37,10 @@ INTER_TOKEN = Histogram("genpipe_inter_token_latency_seconds",
                         ["worker"], buckets=_LATENCY_BUCKETS)
 STEP_TIME = Histogram("genpipe_step_time_seconds", "One engine step (prefill and decode)", ["worker"],
                       buckets=_LATENCY_BUCKETS)
+GATEWAY_RELAY = Histogram("genpipe_gateway_relay_seconds",
+                          "A result record's arrival at the gateway's reader of its reply topic to its "
+                          "server-sent event handed to the HTTP server (what the gateway adds to a token)",
+                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5))
 DERENDER_LATENCY = Histogram("genpipe_derender_latency_seconds",
                              "Token sampled (chunk sampled_at_ns) to its result handed to the producer",
                              ["worker"], buckets=_LATENCY_BUCKETS)

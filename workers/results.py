@@ -103,6 +103,7 @@ class ResultMessage:
     partition: int
     offset: int
     timestamp: int  # ms
+    received_at: float = 0.0  # when the client's reader handed it over (the event loop's clock, s)
 
     def header(self, name: str) -> str | None:
         return header_value(self.headers, name)

@@ -12,6 +12,10 @@ worker and `genpipe serve`. This process is the client of both paths.
            adds p50 <= 1 ms, p99 <= 5 ms). Also, per HTTP token, paired: its result record
            read here from the gateway's reply topic -> its SSE event (what the gateway and
            the HTTP hop add to the same record). TTFT = request sent -> first token, both ways.
+           Relay: the gateway's own `genpipe_gateway_relay_seconds` histogram (a result
+           record read by its client -> its SSE event handed to the HTTP server), scraped
+           from /metrics before and after each load: what the gateway adds, measured inside
+           it, free of this process's own scheduling.
   streams  Ramp to `--streams` concurrent streamed requests (long max_tokens, slow step so
            they stay open; the generate worker's batch holds them all). All must be held
            open at once and complete with exactly max_tokens tokens (logprobs=0 lists each

@@ -97,3 +97,34 @@ async def http_ok(port: int, path: str) -> bool:
     line = await reader.readline()
     writer.close()
     return line.split()[1:2] == [b"200"]
+
+
+async def relay_buckets(port: int) -> dict[float, float]:
+    """The gateway's `genpipe_gateway_relay_seconds` histogram: upper bound -> cumulative count."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    text = (await reader.read()).decode()
+    writer.close()
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith("genpipe_gateway_relay_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if bound == "+Inf" else float(bound)] = float(line.split()[-1])
+    return buckets
+
+
+def bucket_pct(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The q-quantile of the observations between two scrapes, interpolated in its bucket."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0
+    if not total:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower

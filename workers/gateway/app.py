@@ -32,6 +32,7 @@ from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
 from workers.mailbox import KEEPALIVE
+from workers.metrics import GATEWAY_RELAY
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -206,6 +207,7 @@ class Gateway:
         usages: list = [None] * len(choices)
         last = None
         records = self._one(choices[0]) if len(choices) == 1 else self._merged(choices)
+        loop, relay = asyncio.get_running_loop(), GATEWAY_RELAY
 
         def cancel_rest(reason: str) -> None:
             for i, c in enumerate(choices):
@@ -237,7 +239,9 @@ class Gateway:
                         if not continuous_usage:
                             item = msgspec.structs.replace(item, usage=None)
                     last = reindex(item, index, response_id)
-                    yield _event(_json.encode(last))
+                    event = _event(_json.encode(last))
+                    relay.observe(loop.time() - record.received_at)
+                    yield event
                     sent = True
             if include_usage and last is not None:
                 usage = total_usage(usages, prompt_of)
