@@ -1,0 +1,265 @@
+"""The derender worker's CPU per result record and per token, old code against new.
+
+    python ops/bench/derender_worker.py --reference main [--rounds 7] [--quick] [--profile]
+
+Everything the worker does for a chunk except the broker round trips: msgpack chunk bytes
+(as generate writes them) go through the real `DerenderHandler.handle` (decode, state
+machine, shaping, record size check, JSON encoding, headers, metrics) and its `tick`
+(the producer batches), with a publisher that takes each record's key, value and headers
+as aiokafka would and acknowledges it at once. Each side runs in its own child process,
+the reference from a git worktree of REV (/tmp/genpipe-ref-<sha>), the contender from
+this checkout, alternating round by round; the best round of each is kept (CPU time).
+
+Workloads, streamed, ~10 tokens a chunk (the chunk-rate aim at batch 256): chat
+(`top_logprobs = k`) and completion (`logprobs = k`, k + 1 candidates) over ASCII and
+CJK/emoji text (byte pieces, so byte-fallback corrections and U+FFFD), and the synthetic
+engine's ids (what ops/bench/throughput.py runs), at k = 0 and 5. Every record's topic,
+key, value and headers are hashed: the two sides must publish identical bytes, or the
+row says DIFFERENT (and the command exits 1).
+
+--profile prints a cProfile of the contender on the CJK chat k=5 workload instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[2]
+
+WORKLOADS = [(shape, text, k) for text in ("ascii", "cjk", "synthetic") for shape in ("chat", "completion")
+             for k in (0, 5)]
+
+
+# --- the child: one side, one workload, timed --------------------------------------------
+
+def build_messages(shape: str, text: str, k: int, requests: int, tokens: int, chunk_tokens: int):
+    """(topic, partition, offset, value, headers) of the chunk records, interleaved."""
+    sys.path.insert(0, str(HERE.parent))
+    from derender import make_chunks  # noqa: E402  (this directory's ops/bench/derender.py)
+
+    from schemas import encode, headers_for
+    from schemas.records import GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent, OutputOptions
+    from workers.derender.vocab import VocabTables
+    from workers.models.tinymodel import build_tokenizer
+
+    tables = VocabTables(build_tokenizer("spm"))
+    if text == "synthetic":  # the synthetic engine's ids and rows (ops/bench/throughput.py's load)
+        chunks = synthetic_chunks(tables.size, k, requests, tokens, chunk_tokens)
+    else:
+        chunks = make_chunks(tables, text, k + (shape == "completion"), requests, tokens, chunk_tokens)
+    out = []
+    for i, chunk in enumerate(chunks):
+        if chunk.seq == 0:
+            chunk.output = OutputOptions(kind=shape, stream=True, top_logprobs=k)
+        out.append(("chunks", i % 8, i, encode(chunk), headers_for(chunk)))
+    del GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent
+    return out, sum(len(c.token_ids) for c in chunks)
+
+
+def synthetic_chunks(vocab: int, k: int, requests: int, tokens: int, chunk_tokens: int):
+    from schemas.records import GenerateChunk, GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent
+    from workers.generate.synthetic import synthetic_token
+
+    per_request = []
+    n = k + 1 if k else 0
+    for r in range(requests):
+        rid = f"syn-{r}"
+        ids = [synthetic_token(rid, i, vocab) for i in range(tokens)]
+        chunks = []
+        for seq, start in enumerate(range(0, tokens, chunk_tokens)):
+            part = ids[start:start + chunk_tokens]
+            lp = None
+            if n:
+                lp = GenerateLogProbs(content=[GenerateLogProbsContent(
+                    token_id=t, logprob=-0.5, rank=1,
+                    top_logprobs=[GenerateLogProb(t2, -0.5 - j, j + 1)
+                                  for j, t2 in enumerate([t, *((t + j) % vocab for j in range(1, n))])])
+                    for t in part])
+            chunk = GenerateChunk(request_id=rid, attempt="a", seq=seq, token_offset=start, token_ids=part,
+                                  logprobs=lp, finish_reason="length" if start + chunk_tokens >= tokens else None,
+                                  sampled_at_ns=1_700_000_000_000_000_000)
+            if seq == 0:
+                chunk.prompt_token_count = 4
+                chunk.prompt_tail_ids = [1, 5, 6, 7]
+            chunks.append(chunk)
+        per_request.append(chunks)
+    return [c[i] for i in range(max(map(len, per_request))) for c in per_request if i < len(c)]
+
+
+class Message:
+    __slots__ = ("topic", "partition", "offset", "key", "value", "headers", "timestamp")
+
+    def __init__(self, topic, partition, offset, value, headers):
+        self.topic, self.partition, self.offset, self.value, self.headers = topic, partition, offset, value, headers
+        self.key, self.timestamp = None, 0
+
+
+class Publisher:
+    """Takes what aiokafka's batch append takes (key, value, headers); acks at once."""
+
+    max_record_bytes = 1_000_000
+    in_flight = 0
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    async def partition_count(self, topic):
+        return 8
+
+    def _take(self, record):
+        self.sink.append((record.topic, record.key.encode(), record.kafka_value(), record.kafka_headers()))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async def publish(self, record):
+        return self._take(record)
+
+    async def publish_batch(self, records):
+        return [self._take(r) for r in records]
+
+    async def flush(self):
+        pass
+
+
+async def run_side(messages, tables, per_poll: int = 200):
+    from workers.derender.state import Derenderer
+    from workers.derender.worker import DerenderHandler
+    from workers.kafka.offsets import PartitionOffsets
+    from workers.kafka.settings import KafkaSettings
+
+    sink: list = []
+    handler = DerenderHandler(KafkaSettings(topic_prefix="b"), Publisher(sink), PartitionOffsets(),
+                              Derenderer(tables))
+    msgs = [Message("b.chunks", p, o, v, h) for _, p, o, v, h in messages]
+    start = time.process_time()
+    for i in range(0, len(msgs), per_poll):  # as the consumer loop: a poll's records, then tick
+        for m in msgs[i:i + per_poll]:
+            await handler.handle(m)
+        await handler.tick()
+        await asyncio.sleep(0)  # the acks' callbacks
+    return time.process_time() - start, sink
+
+
+def child(args) -> None:
+    import gc
+
+    from workers.derender.vocab import VocabTables
+    from workers.models.tinymodel import build_tokenizer
+
+    tables = VocabTables(build_tokenizer("spm"))
+    shape, text, k = args.workload.split(":")
+    messages, tokens = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+    gc.freeze()  # as the worker does once up (workers/gc_tuning.py)
+    best, digest, records = float("inf"), None, 0
+    for _ in range(args.inner):
+        t, sink = asyncio.run(run_side(messages, tables))
+        best = min(best, t)
+        h = hashlib.sha256()
+        for topic, key, value, headers in sink:
+            h.update(repr((topic, key, value, headers)).encode())
+        digest, records = h.hexdigest(), sum(1 for r in sink if r[0] == "b.results")
+    print(json.dumps({"cpu_s": best, "digest": digest, "records": records, "tokens": tokens}))
+
+
+def profile(args) -> None:
+    import cProfile
+    import pstats
+
+    from workers.derender.vocab import VocabTables
+    from workers.models.tinymodel import build_tokenizer
+
+    tables = VocabTables(build_tokenizer("spm"))
+    shape, text, k = (args.workload or "chat:cjk:5").split(":")
+    messages, _ = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+    asyncio.run(run_side(messages, tables))
+    prof = cProfile.Profile()
+    prof.enable()
+    asyncio.run(run_side(messages, tables))
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+# --- the parent: both sides, alternating ---------------------------------------------------
+
+def worktree(rev: str) -> Path:
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    path = Path(tempfile.gettempdir()) / f"genpipe-ref-{sha}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha], check=True,
+                       capture_output=True)
+    return path
+
+
+def run_child(code: Path, workload: str, args) -> dict:
+    cmd = [sys.executable, str(HERE), "--child", "--workload", workload, "--requests", str(args.requests),
+           "--tokens", str(args.tokens), "--chunk-tokens", str(args.chunk_tokens), "--inner", str(args.inner)]
+    env = dict(os.environ, PYTHONPATH=str(code), GENPIPE_BENCH_CODE=str(code))
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=str(code)).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", metavar="REV", default="main", help="the code to compare with (git rev)")
+    parser.add_argument("--rounds", type=int, default=5, help="child runs per side and workload (best kept)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--chunk-tokens", type=int, default=10)
+    parser.add_argument("--only", nargs="*", help="workloads as shape:text:k (default: all)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 16 requests")
+    parser.add_argument("--profile", action="store_true", help="cProfile the contender (see above)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--inner", type=int, default=5, help="timed runs per child (best kept)")
+    args = parser.parse_args(argv)
+    if args.child or args.profile:
+        code = os.environ.get("GENPIPE_BENCH_CODE", str(ROOT))
+        sys.path.insert(0, code)
+        import schemas
+        import workers  # the packages of `code`, before ops/bench/derender.py puts ROOT first
+
+        assert all(Path(m.__file__).resolve().is_relative_to(Path(code).resolve()) for m in (schemas, workers))
+        (child if args.child else profile)(args)
+        return 0
+    if args.quick:
+        args.rounds, args.requests = 2, 16
+    ref = worktree(args.reference)
+    workloads = args.only or [f"{s}:{t}:{k}" for s, t, k in WORKLOADS]
+    print(f"reference {args.reference} ({ref}) vs this checkout; {args.requests} requests x {args.tokens} tokens, "
+          f"{args.chunk_tokens} tokens/chunk, streamed; best of {args.rounds} rounds x 2, CPU time")
+    print(f"{'workload':<20} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
+          f"{'new us/tok':>10} {'ratio':>6}  bytes")
+    same = True
+    for w in workloads:
+        best = {"ref": float("inf"), "new": float("inf")}
+        digests = {}
+        for _ in range(args.rounds):
+            for side, code in (("ref", ref), ("new", ROOT)):
+                r = run_child(code, w, args)
+                best[side] = min(best[side], r["cpu_s"])
+                digests.setdefault(side, set()).add(r["digest"])
+                records, tokens = r["records"], r["tokens"]
+        equal = digests["ref"] == digests["new"] and len(digests["new"]) == 1
+        same &= equal
+        print(f"{w:<20} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
+              f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
+              f"{best['ref'] / best['new']:>5.2f}x  {'identical' if equal else 'DIFFERENT'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
