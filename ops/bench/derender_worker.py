@@ -128,7 +128,13 @@ class Publisher:
         return self._take(record)
 
     async def publish_batch(self, records):
-        return [self._take(r) for r in records]
+        """A future per record, shared by the records of one partition (as one producer
+        batch per partition is acknowledged at once)."""
+        futures, by_partition = [], {}
+        for r in records:
+            future = self._take(r)
+            futures.append(by_partition.setdefault((r.topic, r.partition), future))
+        return futures
 
     async def flush(self):
         pass
