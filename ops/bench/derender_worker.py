@@ -1,14 +1,17 @@
 """The derender worker's CPU per result record and per token, old code against new.
 
-    python ops/bench/derender_worker.py --reference main [--rounds 7] [--quick] [--profile]
+    python ops/bench/derender_worker.py --reference REV [--rounds 20] [--only chat:cjk:5 ...] [--quick]
+    python ops/bench/derender_worker.py --profile [--workload chat:cjk:5]
 
 Everything the worker does for a chunk except the broker round trips: msgpack chunk bytes
 (as generate writes them) go through the real `DerenderHandler.handle` (decode, state
 machine, shaping, record size check, JSON encoding, headers, metrics) and its `tick`
 (the producer batches), with a publisher that takes each record's key, value and headers
-as aiokafka would and acknowledges it at once. Each side runs in its own child process,
-the reference from a git worktree of REV (/tmp/genpipe-ref-<sha>), the contender from
-this checkout, alternating round by round; the best round of each is kept (CPU time).
+as aiokafka would and acknowledges it at once. Each side is a child process kept up, the
+reference's code from a git worktree of REV (/tmp/genpipe-ref-<sha>), the contender's from
+this checkout; their runs interleave (ABBA), each over the same records with a cold
+correction cache. Printed: each side's best run (CPU time), their ratio, and the median
+of the per-pair ratios (each pair ran back to back: the figure to trust on a busy box).
 
 Workloads, streamed, ~10 tokens a chunk (the chunk-rate aim at batch 256): chat
 (`top_logprobs = k`) and completion (`logprobs = k`, k + 1 candidates) over ASCII and
@@ -42,7 +45,7 @@ WORKLOADS = [(shape, text, k) for text in ("ascii", "cjk", "synthetic") for shap
              for k in (0, 5)]
 
 
-# --- the child: one side, one workload, timed --------------------------------------------
+# --- a child: one side, its runs timed ----------------------------------------------------
 
 def build_messages(shape: str, text: str, k: int, requests: int, tokens: int, chunk_tokens: int):
     """(topic, partition, offset, value, headers) of the chunk records, interleaved."""
@@ -159,25 +162,30 @@ async def run_side(messages, tables, per_poll: int = 200):
     return time.process_time() - start, sink
 
 
-def child(args) -> None:
+def serve(args) -> None:
+    """One side, kept up: per line on stdin (a workload), one timed run; a JSON line out."""
     import gc
 
     from workers.derender.vocab import VocabTables
     from workers.models.tinymodel import build_tokenizer
 
     tables = VocabTables(build_tokenizer("spm"))
-    shape, text, k = args.workload.split(":")
-    messages, tokens = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+    loaded: dict[str, tuple] = {}
     gc.freeze()  # as the worker does once up (workers/gc_tuning.py)
-    best, digest, records = float("inf"), None, 0
-    for _ in range(args.inner):
+    for line in sys.stdin:
+        workload = line.strip()
+        if workload not in loaded:
+            shape, text, k = workload.split(":")
+            loaded[workload] = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+            gc.freeze()
+            asyncio.run(run_side(loaded[workload][0], tables))  # warm-up
+        messages, tokens = loaded[workload]
         t, sink = asyncio.run(run_side(messages, tables))
-        best = min(best, t)
         h = hashlib.sha256()
         for topic, key, value, headers in sink:
             h.update(repr((topic, key, value, headers)).encode())
-        digest, records = h.hexdigest(), sum(1 for r in sink if r[0] == "b.results")
-    print(json.dumps({"cpu_s": best, "digest": digest, "records": records, "tokens": tokens}))
+        print(json.dumps({"cpu_s": t, "digest": h.hexdigest(), "tokens": tokens,
+                          "records": sum(1 for r in sink if r[0] == "b.results")}), flush=True)
 
 
 def profile(args) -> None:
@@ -210,60 +218,83 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def run_child(code: Path, workload: str, args) -> dict:
-    cmd = [sys.executable, str(HERE), "--child", "--workload", workload, "--requests", str(args.requests),
-           "--tokens", str(args.tokens), "--chunk-tokens", str(args.chunk_tokens), "--inner", str(args.inner)]
-    env = dict(os.environ, PYTHONPATH=str(code), GENPIPE_BENCH_CODE=str(code))
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=str(code)).stdout
-    return json.loads(out.strip().splitlines()[-1])
+class Side:
+    """A `--serve` child running the code at `code`."""
+
+    def __init__(self, code: Path, args):
+        cmd = [sys.executable, str(HERE), "--serve", "--requests", str(args.requests), "--tokens", str(args.tokens),
+               "--chunk-tokens", str(args.chunk_tokens)]
+        env = dict(os.environ, PYTHONPATH=str(code), GENPIPE_BENCH_CODE=str(code))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=str(code))
+
+    def run(self, workload: str) -> dict:
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench child exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", metavar="REV", default="main", help="the code to compare with (git rev)")
-    parser.add_argument("--rounds", type=int, default=5, help="child runs per side and workload (best kept)")
+    parser.add_argument("--rounds", type=int, default=20, help="timed runs per side and workload, interleaved")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--chunk-tokens", type=int, default=10)
     parser.add_argument("--only", nargs="*", help="workloads as shape:text:k (default: all)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 16 requests")
     parser.add_argument("--profile", action="store_true", help="cProfile the contender (see above)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--inner", type=int, default=5, help="timed runs per child (best kept)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help="--profile: the workload (shape:text:k)")
     args = parser.parse_args(argv)
-    if args.child or args.profile:
+    if args.serve or args.profile:
         code = os.environ.get("GENPIPE_BENCH_CODE", str(ROOT))
         sys.path.insert(0, code)
         import schemas
         import workers  # the packages of `code`, before ops/bench/derender.py puts ROOT first
 
         assert all(Path(m.__file__).resolve().is_relative_to(Path(code).resolve()) for m in (schemas, workers))
-        (child if args.child else profile)(args)
+        (serve if args.serve else profile)(args)
         return 0
     if args.quick:
-        args.rounds, args.requests = 2, 16
+        args.rounds, args.requests = 4, 16
     ref = worktree(args.reference)
     workloads = args.only or [f"{s}:{t}:{k}" for s, t, k in WORKLOADS]
     print(f"reference {args.reference} ({ref}) vs this checkout; {args.requests} requests x {args.tokens} tokens, "
-          f"{args.chunk_tokens} tokens/chunk, streamed; best of {args.rounds} rounds x 2, CPU time")
-    print(f"{'workload':<20} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
-          f"{'new us/tok':>10} {'ratio':>6}  bytes")
+          f"{args.chunk_tokens} tokens/chunk, streamed; {args.rounds} runs a side, interleaved; CPU time, best run")
+    print(f"{'workload':<23} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
+          f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  bytes")
+    sides = {"ref": Side(ref, args), "new": Side(ROOT, args)}
     same = True
-    for w in workloads:
-        best = {"ref": float("inf"), "new": float("inf")}
-        digests = {}
-        for _ in range(args.rounds):
-            for side, code in (("ref", ref), ("new", ROOT)):
-                r = run_child(code, w, args)
-                best[side] = min(best[side], r["cpu_s"])
-                digests.setdefault(side, set()).add(r["digest"])
-                records, tokens = r["records"], r["tokens"]
-        equal = digests["ref"] == digests["new"] and len(digests["new"]) == 1
-        same &= equal
-        print(f"{w:<20} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
-              f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
-              f"{best['ref'] / best['new']:>5.2f}x  {'identical' if equal else 'DIFFERENT'}")
+    try:
+        for w in workloads:
+            times: dict[str, list[float]] = {"ref": [], "new": []}
+            digests: dict[str, set] = {"ref": set(), "new": set()}
+            for i in range(args.rounds):
+                for side in (("ref", "new") if i % 2 == 0 else ("new", "ref")):  # ABBA: no order bias
+                    r = sides[side].run(w)
+                    times[side].append(r["cpu_s"])
+                    digests[side].add(r["digest"])
+            records, tokens = r["records"], r["tokens"]
+            equal = digests["ref"] == digests["new"] and len(digests["new"]) == 1
+            same &= equal
+            best = {side: min(t) for side, t in times.items()}
+            # the median of the per-pair ratios: each pair ran back to back, under the same load
+            pairs = sorted(a / b for a, b in zip(times["ref"], times["new"]))
+            print(f"{w:<23} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
+                  f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
+                  f"{best['ref'] / best['new']:>5.2f}x {pairs[len(pairs) // 2]:>6.2f}x  "
+                  f"{'identical' if equal else 'DIFFERENT'}", flush=True)
+    finally:
+        for side in sides.values():
+            side.close()
     return 0 if same else 1
 
 
