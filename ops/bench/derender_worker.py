@@ -1,6 +1,6 @@
 """The derender worker's CPU per result record and per token, old code against new.
 
-    python ops/bench/derender_worker.py --reference REV [--rounds 20] [--only chat:cjk:5 ...] [--quick]
+    python ops/bench/derender_worker.py --reference REV [--contender REV] [--rounds 20] [--only chat:cjk:5 ...]
     python ops/bench/derender_worker.py --profile [--workload chat:cjk:5]
 
 Everything the worker does for a chunk except the broker round trips: msgpack chunk bytes
@@ -244,6 +244,8 @@ class Side:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", metavar="REV", default="main", help="the code to compare with (git rev)")
+    parser.add_argument("--contender", metavar="REV", help="the code to measure, if not this checkout (a worktree "
+                        "too: what one commit bought is --reference C^ --contender C)")
     parser.add_argument("--rounds", type=int, default=20, help="timed runs per side and workload, interleaved")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
@@ -267,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.requests = 4, 16
     ref = worktree(args.reference)
     workloads = args.only or [f"{s}:{t}:{k}" for s, t, k in WORKLOADS]
-    print(f"reference {args.reference} ({ref}) vs this checkout; {args.requests} requests x {args.tokens} tokens, "
+    print(f"reference {args.reference} ({ref}) vs {args.contender or 'this checkout'}; {args.requests} requests x {args.tokens} tokens, "
           f"{args.chunk_tokens} tokens/chunk, streamed; {args.rounds} runs a side, interleaved; CPU time, best run")
     print(f"{'workload':<23} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
           f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  bytes")
-    sides = {"ref": Side(ref, args), "new": Side(ROOT, args)}
+    new = worktree(args.contender) if args.contender else ROOT
+    sides = {"ref": Side(ref, args), "new": Side(new, args)}
     same = True
     try:
         for w in workloads:
