@@ -130,9 +130,10 @@ def test_top_entry_out_of_vocab_and_too_many(d, tables):
 
 
 @pytest.mark.parametrize("case", ["past", "negative", "past_rank_k", "cut_by_stop", "count_later", "error_chunk"])
-def test_completion_candidates_checked_in_shaping_same_error(tables, case):
-    """Completion candidates are range-checked while shaped (logprobs_step.py), not in a
-    pass of their own: the error result must still be check_chunk's, word for word."""
+def test_completion_bad_candidate_error_is_check_chunks(tables, case):
+    """A completion chunk with a candidate id outside the vocabulary (looked up, left out
+    by the rank rule, cut off by a stop string, before a later count problem, on an
+    error chunk) ends its request with check_chunk's message, word for word."""
     ids = encode_ids(tables, " one two three")
     top = list(range(10, 16))
     positions = [position(i, top, n=3) for i in ids]  # sampled + ranks up to 2 or 3

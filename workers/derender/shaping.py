@@ -114,17 +114,13 @@ def completion_logprobs(
     hist: list[int],
     out: CompletionLogProbs,
     offset: int,
-    checked: bool = False,
 ) -> int:
     """Append the positions of `token_ids` to `out`; returns the next text_offset.
 
     A position without logprobs still gets its token and offset, with None for the
-    logprob and the top dict (vLLM does the same). With `checked`, every candidate id
-    outside the vocabulary raises IndexError (the caller then says which; see
-    logprobs_step.py), including those the rank rule leaves out.
+    logprob and the top dict (vLLM does the same).
     """
     strs, _, dirty, raw, need, entries, fill = corrector.hot
-    size = len(need)
     tokens, token_lps, tops, offsets = out.tokens, out.token_logprobs, out.top_logprobs, out.text_offset
     for i, tid in enumerate(token_ids):
         pos = content[i] if content is not None else None
@@ -157,11 +153,7 @@ def completion_logprobs(
                     continue  # the sampled entry (listed first) is already the first key
                 rank = e.rank
                 if rank is None or rank > k:
-                    if checked and not 0 <= eid < size:
-                        raise IndexError(eid)
                     continue
-                if eid < 0 and checked:  # (ids past the vocabulary raise IndexError just below)
-                    raise IndexError(eid)
                 fix = need[eid]
                 if not fix:
                     d[strs[eid]] = e.logprob

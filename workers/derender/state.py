@@ -37,7 +37,7 @@ from workers.derender import shaping
 from workers.derender.chunk_rules import check_chunk
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
-from workers.derender.logprobs_step import BadChunk, checked_by_shaping, chunk_logprobs
+from workers.derender.logprobs_step import BadChunk, chunk_logprobs
 from workers.derender.vocab import VocabTables, load_tables
 
 # `model` in results when the request names none; the same in the worker, file mode and
@@ -210,9 +210,7 @@ class Derenderer:
             return self._fail(rid, req, chunk, f"seq gap in attempt {chunk.attempt!r}: "
                               f"got seq {chunk.seq}, expected {req.next_seq}")
         problem = check_chunk(chunk, self.tables.size, self.max_logprobs, req.generated,
-                              checked_by_shaping(req.chat, req.k, chunk.finish_reason))
-        if problem is not None and not req.chat:  # the first problem in check_chunk's own order
-            problem = check_chunk(chunk, self.tables.size, self.max_logprobs, req.generated)
+                              req.k if req.chat else 0)
         if problem is not None:
             return self._fail(rid, req, chunk, problem)
         req.next_seq = chunk.seq + 1
@@ -270,9 +268,9 @@ class Derenderer:
             text, req.echo_text = req.echo_text + text, ""
         final = chunk.finish_reason is not None or matched
         finish_reason = "stop" if matched else chunk.finish_reason
-        logprobs = chunk_logprobs(req, chunk, n_keep, self.corrector, self.max_logprobs)
-        if matched:  # (counted once the chunk is known good)
+        if matched:
             self.stats.stop_matches += 1
+        logprobs = chunk_logprobs(req, chunk, n_keep, self.corrector)
         out = self._shape(req, rid, chunk, text, logprobs, finish_reason if final else None)
         if matched and chunk.finish_reason is None:
             out.append(CancelRequest(rid, "stop string matched"))
