@@ -47,27 +47,26 @@ WORKLOADS = [(shape, text, k) for text in ("ascii", "cjk", "synthetic") for shap
 
 # --- a child: one side, its runs timed ----------------------------------------------------
 
-def build_messages(shape: str, text: str, k: int, requests: int, tokens: int, chunk_tokens: int):
-    """(topic, partition, offset, value, headers) of the chunk records, interleaved."""
+def build_messages(tables, shape: str, text: str, k: int, requests: int, tokens: int, chunk_tokens: int):
+    """(topic, partition, offset, value, headers) of the chunk records, interleaved; a
+    request's chunks on one of 8 partitions, as generate keys them."""
     sys.path.insert(0, str(HERE.parent))
     from derender import make_chunks  # noqa: E402  (this directory's ops/bench/derender.py)
 
     from schemas import encode, headers_for
-    from schemas.records import GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent, OutputOptions
-    from workers.derender.vocab import VocabTables
-    from workers.models.tinymodel import build_tokenizer
+    from schemas.records import OutputOptions
 
-    tables = VocabTables(build_tokenizer("spm"))
     if text == "synthetic":  # the synthetic engine's ids and rows (ops/bench/throughput.py's load)
         chunks = synthetic_chunks(tables.size, k, requests, tokens, chunk_tokens)
     else:
         chunks = make_chunks(tables, text, k + (shape == "completion"), requests, tokens, chunk_tokens)
-    out = []
-    for i, chunk in enumerate(chunks):
+    out, partitions, offsets = [], {}, [0] * 8
+    for chunk in chunks:
         if chunk.seq == 0:
             chunk.output = OutputOptions(kind=shape, stream=True, top_logprobs=k)
-        out.append(("chunks", i % 8, i, encode(chunk), headers_for(chunk)))
-    del GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent
+        p = partitions.setdefault(chunk.request_id, len(partitions) % 8)
+        out.append(("chunks", p, offsets[p], encode(chunk), headers_for(chunk)))
+        offsets[p] += 1
     return out, sum(len(c.token_ids) for c in chunks)
 
 
@@ -176,7 +175,8 @@ def serve(args) -> None:
         workload = line.strip()
         if workload not in loaded:
             shape, text, k = workload.split(":")
-            loaded[workload] = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+            loaded[workload] = build_messages(tables, shape, text, int(k), args.requests, args.tokens,
+                                              args.chunk_tokens)
             gc.freeze()
             asyncio.run(run_side(loaded[workload][0], tables))  # warm-up
         messages, tokens = loaded[workload]
@@ -197,7 +197,7 @@ def profile(args) -> None:
 
     tables = VocabTables(build_tokenizer("spm"))
     shape, text, k = (args.workload or "chat:cjk:5").split(":")
-    messages, _ = build_messages(shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
+    messages, _ = build_messages(tables, shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
     asyncio.run(run_side(messages, tables))
     prof = cProfile.Profile()
     prof.enable()
