@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.requests = 4, 16
     ref = worktree(args.reference)
     workloads = args.only or [f"{s}:{t}:{k}" for s, t, k in WORKLOADS]
-    print(f"reference {args.reference} ({ref}) vs {args.contender or 'this checkout'}; {args.requests} requests x {args.tokens} tokens, "
+    print(f"reference {args.reference} ({ref}) vs {args.contender or 'this checkout'}; "
+          f"{args.requests} requests x {args.tokens} tokens, "
           f"{args.chunk_tokens} tokens/chunk, streamed; {args.rounds} runs a side, interleaved; CPU time, best run")
     print(f"{'workload':<23} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
           f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  bytes")
