@@ -41,11 +41,19 @@ def encode(record: Any, content_type: str = MSGPACK) -> bytes:
     raise ValueError(f"unsupported content-type {content_type!r}; expected one of {CONTENT_TYPES}")
 
 
+_BASE_HEADERS: dict[tuple[type, str], tuple[tuple[str, bytes], ...]] = {}
+
+
 def headers_for(record: Any, content_type: str = MSGPACK, extra: Iterable[tuple[str, bytes]] = ()) -> Headers:
-    headers = [
-        (HEADER_CONTENT_TYPE, content_type.encode()),
-        (HEADER_SCHEMA, schema_header(type(record)).encode()),
-    ]
+    # The two fixed headers are the same for every record of a type: built once per
+    # (type, content type), not per record (every published record comes through here).
+    base = _BASE_HEADERS.get((type(record), content_type))
+    if base is None:
+        base = _BASE_HEADERS[(type(record), content_type)] = (
+            (HEADER_CONTENT_TYPE, content_type.encode()),
+            (HEADER_SCHEMA, schema_header(type(record)).encode()),
+        )
+    headers = list(base)
     headers.extend(extra)
     return headers
 

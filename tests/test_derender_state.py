@@ -129,6 +129,35 @@ def test_top_entry_out_of_vocab_and_too_many(d, tables):
     assert results(d.process(make_chunks("r3", ids, output=STREAM, positions=positions)[0]))[0].final is False
 
 
+@pytest.mark.parametrize("case", ["past", "negative", "past_rank_k", "cut_by_stop", "count_later", "error_chunk"])
+def test_completion_bad_candidate_error_is_check_chunks(tables, case):
+    """A completion chunk with a candidate id outside the vocabulary (looked up, left out
+    by the rank rule, cut off by a stop string, before a later count problem, on an
+    error chunk) ends its request with check_chunk's message, word for word."""
+    ids = encode_ids(tables, " one two three")
+    top = list(range(10, 16))
+    positions = [position(i, top, n=3) for i in ids]  # sampled + ranks up to 2 or 3
+    bad = {"negative": -2}.get(case, tables.size + 5)
+    rank = 9 if case == "past_rank_k" else 2  # 9 > k: left out of the dict, still checked
+    bad_at = -1 if case == "cut_by_stop" else 1  # (the last position is cut by the stop string)
+    positions[bad_at].top_logprobs.append(GenerateLogProb(token_id=bad, logprob=-3.0, rank=rank))
+    if case == "count_later":  # a later position with too many entries: the earlier bad id is reported
+        positions[-1].top_logprobs.extend(GenerateLogProb(token_id=20 + j, logprob=-4.0, rank=4 + j)
+                                          for j in range(4))
+    opts = dict(kind="completion", stream=True, top_logprobs=3)
+    if case == "cut_by_stop":
+        opts["stop"] = [" one"]
+    cs = make_chunks("r", ids, [len(ids)], output=OutputOptions(**opts), positions=positions,
+                     prompt_tail=encode_ids(tables, "x"),
+                     finish_reason="error" if case == "error_chunk" else "length")
+    if case == "error_chunk":
+        cs[0].error = ChunkError(message="engine failed", type="server_error")
+    want = check_chunk(cs[0], tables.size, 5, 0)
+    assert want is not None
+    got = only_error(Derenderer(tables, max_logprobs=5).process(cs[0])).value.error.message
+    assert got == f"derender: bad chunk for request 'r': {want}"
+
+
 def test_misaligned_logprobs_and_offset(d, tables):
     ids = encode_ids(tables, " one two")
     positions = [position(i, [i]) for i in ids]

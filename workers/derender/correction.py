@@ -130,20 +130,25 @@ class Corrector:
     """`correct_token` with a bounded cache keyed by (context key, id).
 
     One Corrector can be shared by every request (and every partition) of a worker:
-    the result depends only on the key.
+    the result depends only on the key. The cache is two-level, {key: {id: value}}: every
+    candidate of a position shares its context key, so the shaping loops fetch the key's
+    dict once per position (`entries`) and look each candidate up by id alone, with no
+    (key, id) tuple built per candidate (profiled: that and the call per candidate were
+    most of a CJK chunk's shaping time).
     """
 
     def __init__(self, tables: VocabTables, max_entries: int = 200_000):
         self.tables = tables
         self.max_entries = max_entries
-        self._cache: dict[tuple, tuple[str, list[int]]] = {}
+        self._cache: dict[tuple[int, ...], dict[int, tuple[str, list[int]]]] = {}
+        self._size = 0  # values held, over all keys
         tok = tables.tokenizer
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
-        self.hits = 0
+        self.hits = 0  # counted by get/lookup only (the shaping loops' hits go uncounted)
         self.misses = 0
         # Everything the shaping loops need, unpacked in one go per chunk.
         self.hot = (tables.token_str, tables.token_bytes, tables.dirty, tables.raw_bytes,
-                    tables.needs_context, self.lookup)
+                    tables.needs_context, self.entries, self.fill)
 
     def get(self, key: tuple[int, ...], token_id: int) -> tuple[str, list[int]]:
         """(string, bytes) of a dirty `token_id` after a context whose key is `key`.
@@ -154,14 +159,24 @@ class Corrector:
         return self.lookup(key, token_id, trusted=False)
 
     def lookup(self, key: tuple[int, ...], token_id: int, trusted: bool = True) -> tuple[str, list[int]]:
-        """`get` for a key made by `context_key` (the hot path)."""
+        """`get` for a key made by `context_key`."""
         if not key:
             return _EMPTY  # nothing to complete: the character is cut short
-        ck = (key, token_id)
-        hit = self._cache.get(ck)
+        hit = self.entries(key).get(token_id)
         if hit is not None:
             self.hits += 1
             return hit
+        return self.fill(key, token_id, trusted)
+
+    def entries(self, key: tuple[int, ...]) -> dict[int, tuple[str, list[int]]]:
+        """The cached values of a (non-empty) key, by id: the hot path's lookup. A miss
+        in it goes to `fill(key, id)`, which computes the value and stores it there."""
+        entries = self._cache.get(key)
+        if entries is None:
+            entries = self._cache[key] = {}
+        return entries
+
+    def fill(self, key: tuple[int, ...], token_id: int, trusted: bool = True) -> tuple[str, list[int]]:
         self.misses += 1
         text = None
         if trusted or context_key(key, self.tables.dirty, self.tables.raw_bytes) == key:
@@ -169,11 +184,14 @@ class Corrector:
         if text is None:
             text = correct_token(self._decode, self.tables.dirty, key, token_id)
         value = (text, list(text.encode("utf-8"))) if text else _EMPTY
-        if len(self._cache) >= self.max_entries:
+        if self._size >= self.max_entries:
             # Dropping everything is cheaper than LRU bookkeeping on every hit, and the
-            # working set (recent contexts) refills within a few tokens.
+            # working set (recent contexts) refills within a few tokens. (A shaping
+            # loop may still hold a dropped key's dict; it only reads from it.)
             self._cache.clear()
-        self._cache[ck] = value
+            self._size = 0
+        self.entries(key)[token_id] = value
+        self._size += 1
         return value
 
     def _from_bytes(self, key: tuple[int, ...], token_id: int) -> str | None:

@@ -64,14 +64,14 @@ def chat_logprobs(
     sampled ids and the candidates past the first k; these are checked here, where they
     are looked up anyway, to keep the hot path to one pass).
     """
-    strs, byts, dirty, raw, need, get = corrector.hot
+    strs, byts, dirty, raw, need, entries, fill = corrector.hot
     LP, LPC = ChatCompletionLogProb, ChatCompletionLogProbsContent
     out: list[ChatCompletionLogProbsContent] = []
     append = out.append
     for i, tid in enumerate(token_ids):
         pos = content[i] if content is not None else None
         if pos is not None:
-            ctx = None
+            ctx = sub = None  # the position's context key and its cache entries, once needed
             fix = need[tid]
             if not fix:
                 s, b = strs[tid], byts[tid]
@@ -79,7 +79,11 @@ def chat_logprobs(
                 s, b = _EMPTY
             else:
                 ctx = context_key(hist, dirty, raw)
-                s, b = get(ctx, tid) if ctx else _EMPTY
+                if ctx:
+                    sub = entries(ctx)
+                    s, b = sub.get(tid) or fill(ctx, tid)
+                else:
+                    s, b = _EMPTY
             tops = []
             if k:
                 for e in pos.top_logprobs[:k]:
@@ -94,7 +98,8 @@ def chat_logprobs(
                     else:
                         if ctx is None:
                             ctx = context_key(hist, dirty, raw)
-                        es, eb = get(ctx, eid) if ctx else _EMPTY
+                            sub = entries(ctx) if ctx else None
+                        es, eb = (sub.get(eid) or fill(ctx, eid)) if sub is not None else _EMPTY
                         tops.append(LP(token=es, logprob=e.logprob, bytes=eb))
             append(LPC(token=s, logprob=pos.logprob, bytes=b, top_logprobs=tops))
         hist.append(tid)
@@ -115,11 +120,11 @@ def completion_logprobs(
     A position without logprobs still gets its token and offset, with None for the
     logprob and the top dict (vLLM does the same).
     """
-    strs, _, dirty, raw, need, get = corrector.hot
+    strs, _, dirty, raw, need, entries, fill = corrector.hot
     tokens, token_lps, tops, offsets = out.tokens, out.token_logprobs, out.top_logprobs, out.text_offset
     for i, tid in enumerate(token_ids):
         pos = content[i] if content is not None else None
-        ctx = None
+        ctx = sub = None  # the position's context key and its cache entries, once needed
         fix = need[tid]
         if not fix:
             s = strs[tid]
@@ -127,7 +132,11 @@ def completion_logprobs(
             s = ""
         else:
             ctx = context_key(hist, dirty, raw)
-            s = get(ctx, tid)[0] if ctx else ""
+            if ctx:
+                sub = entries(ctx)
+                s = (sub.get(tid) or fill(ctx, tid))[0]
+            else:
+                s = ""
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
@@ -135,8 +144,9 @@ def completion_logprobs(
             token_lps.append(None)
             tops.append(None)
         else:
-            token_lps.append(pos.logprob)
-            d = {s: pos.logprob}
+            lp = pos.logprob
+            token_lps.append(lp)
+            d = {s: lp}
             for e in pos.top_logprobs:
                 eid = e.token_id
                 if eid == tid:
@@ -152,7 +162,8 @@ def completion_logprobs(
                 else:
                     if ctx is None:
                         ctx = context_key(hist, dirty, raw)
-                    d[get(ctx, eid)[0] if ctx else ""] = e.logprob
+                        sub = entries(ctx) if ctx else None
+                    d[(sub.get(eid) or fill(ctx, eid))[0] if sub is not None else ""] = e.logprob
             tops.append(d)
         hist.append(tid)
     return offset
@@ -182,7 +193,8 @@ def prompt_logprobs(prompt_ids: Sequence[int], content: Sequence[GenerateLogProb
     the candidates of rank <= k in rank order. `decoded_token` is the token's text in its
     place, as echo's `tokens` has it (a partial character corrected against the ids before
     it; candidates in the same context). `content` is aligned with `prompt_ids`."""
-    strs, _, dirty, raw, need, get = corrector.hot
+    strs, _, dirty, raw, need, _, _ = corrector.hot
+    get = corrector.lookup
     size = len(need)
     hist: list[int] = []
     out: PromptLogprobs = []

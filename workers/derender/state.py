@@ -37,6 +37,7 @@ from workers.derender import shaping
 from workers.derender.chunk_rules import check_chunk
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
+from workers.derender.logprobs_step import BadChunk, chunk_logprobs
 from workers.derender.vocab import VocabTables, load_tables
 
 # `model` in results when the request names none; the same in the worker, file mode and
@@ -76,10 +77,6 @@ class Stats:
     restarts: int = 0
     rule_errors: int = 0
     stop_matches: int = 0
-
-
-class BadChunk(Exception):
-    """A chunk breaks the rules in a way only found while rendering it."""
 
 
 @dataclass(slots=True, eq=False)
@@ -273,7 +270,7 @@ class Derenderer:
         finish_reason = "stop" if matched else chunk.finish_reason
         if matched:
             self.stats.stop_matches += 1
-        logprobs = self._logprobs(req, chunk, n_keep)
+        logprobs = chunk_logprobs(req, chunk, n_keep, self.corrector)
         out = self._shape(req, rid, chunk, text, logprobs, finish_reason if final else None)
         if matched and chunk.finish_reason is None:
             out.append(CancelRequest(rid, "stop string matched"))
@@ -308,37 +305,6 @@ class Derenderer:
             if not matched:
                 pieces.append(stop.flush())
         return "".join(pieces), len(ids), matched
-
-    def _logprobs(self, req: RequestState, chunk: GenerateChunk, n_keep: int):
-        """The kept positions' logprobs in the request's OpenAI shape: chat entries (or
-        None), or completion logprobs (or None; the request's running object when not
-        streamed). Advances the correction context and the token count either way."""
-        ids = chunk.token_ids
-        kept = ids if n_keep == len(ids) else ids[:n_keep]
-        content = chunk.logprobs.content if chunk.logprobs is not None else None
-        if content is not None:
-            req.has_lp = True
-            if n_keep != len(content):
-                content = content[:n_keep]
-        hist = req.hist
-        req.generated += n_keep
-        result = None
-        if req.chat and content is not None:
-            try:
-                result = shaping.chat_logprobs(kept, content, req.k, self.corrector, hist)
-            except IndexError:  # a candidate id past the vocabulary (checked here, once)
-                bad = next(e.token_id for pos in content for e in pos.top_logprobs
-                           if not 0 <= e.token_id < self.tables.size)
-                raise BadChunk(f"top_logprobs id {bad} out of vocabulary (size {self.tables.size})") from None
-        elif not req.chat and (content is not None or req.has_lp):
-            result = req.comp_lp if not req.stream else (req.echo_lp or CompletionLogProbs())
-            req.echo_lp = None
-            req.offset = shaping.completion_logprobs(kept, content, req.k, self.corrector, hist, result, req.offset)
-        else:
-            hist.extend(kept)
-        if len(hist) > 64:
-            del hist[:-shaping.CTX]
-        return result
 
     def _shape(self, req: RequestState, rid: str, chunk: GenerateChunk, text: str, logprobs,
                finish_reason: str | None) -> list[Output]:
