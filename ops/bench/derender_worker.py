@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -209,13 +208,12 @@ def profile(args) -> None:
 # --- the parent: both sides, alternating ---------------------------------------------------
 
 def worktree(rev: str) -> Path:
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
-                         capture_output=True, text=True).stdout.strip()
-    path = Path(tempfile.gettempdir()) / f"genpipe-ref-{sha}"
-    if not path.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha], check=True,
-                       capture_output=True)
-    return path
+    """A checkout of `rev` under /tmp, made once: ops/bench/throughput.py's, shared."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from ops.bench.throughput import worktree as checkout
+
+    return checkout(rev)
 
 
 class Side:
