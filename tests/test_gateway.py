@@ -384,48 +384,37 @@ async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_
 
 
 @pytest.mark.kafka
-async def test_a_client_that_stops_reading_is_cut_off_not_buffered_without_end(kafka_settings, make_topics,
-                                                                               tiny_model_dir):
-    """A streaming client that stops reading (its socket's buffers full): the gateway keeps
-    at most --max-unread records for it, then gives the request up (a Cancel on the
-    topic at once) and, once the client reads again, ends the stream with an error event."""
+async def test_a_reader_that_falls_behind_is_cut_off_and_its_request_cancelled(kafka_settings, make_topics,
+                                                                              tiny_model_dir):
+    """The bound behind --max-unread, on the client the gateway uses: a request whose reader
+    stops taking records (an HTTP client that stopped reading parks the gateway's writer)
+    is cancelled as soon as `max_unread` records wait, without waiting for that reader;
+    the reader, when it comes back, gets GenpipeOverflow (the gateway's error event)."""
     from schemas import Cancel
     from tests.kafka_helpers import read_topic
+    from workers.client import GenpipeClient, GenpipeOverflow, make_request
     from workers.kafka.records import decode_message
 
     await make_topics(kafka_settings, partitions=2)
-    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.001, max_unread=8) as (base, gateway):
-        host, port = base.removeprefix("http://").split(":")
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway's writes stall
-        sock.connect((host, int(port)))
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)  # reads stop at ~2 KiB buffered
-        # ~1.5 KB per token with 5 logprobs: ~9 MB in all, far past what the kernel's socket
-        # buffers on both ends can hold (loopback autotunes the sender's to a few MB)
-        body = json.dumps({"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 6000, "ignore_eos": True,
-                           "logprobs": 5, "stream": True}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
-        # Not reading now. The gateway gives up on the request while it still runs:
-        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.002):
+        async with GenpipeClient(settings=kafka_settings, max_unread=8, timeout_s=60) as client:
+            request = make_request([1, 5, 6], max_tokens=3000, ignore_eos=True, stream=True)
+            records = client.records(request)
+            first = await records.__anext__()  # sent, its first record read; then not reading
+            assert not first.final
+            cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
+                                       until=lambda records: len(records) >= 1)
+            cancel = decode_message(cancels[0], Cancel)
+            assert cancel.request_id == request.request_id
+            assert "fell 8 result records behind" in cancel.reason and "max_unread" in cancel.reason
+            with pytest.raises(GenpipeOverflow) as raised:
+                async for _ in records:
+                    pass
+            assert raised.value.code == 500 and "fell 8 result records behind" in raised.value.message
+            await records.aclose()
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=10,
                                    until=lambda records: len(records) >= 1)
-        reason = decode_message(cancels[0], Cancel).reason
-        assert "fell 8 result records behind" in reason and "max_unread" in reason, reason
-        received = b""
-        while chunk := await asyncio.wait_for(reader.read(65536), 60):  # reading again, to the end
-            received += chunk
-            if received.endswith(b"0\r\n\r\n"):  # the chunked body's end
-                break
-        writer.close()
-    events = [line[len("data: "):] for line in received.decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] != "[DONE]"
-    error = json.loads(events[-1])["error"]
-    assert error["code"] == 500 and "fell 8 result records behind" in error["message"]
-    tokens = sum(1 for e in events[:-1] if json.loads(e)["choices"])
-    assert 0 < tokens < 6000  # cut off: the rest was never buffered for it
-    assert gateway.in_flight == 0
+        assert len(cancels) == 1  # once: not again when the reader left
 
 
 @pytest.mark.kafka

@@ -86,8 +86,10 @@ def test_close_stops_the_timer(keepalive):
 
 
 def test_a_bounded_inbox_drops_what_was_unread_and_says_so_once():
+    overflows = []
+
     async def main():
-        box = Mailbox(timeout_s=60, max_items=3)
+        box = Mailbox(timeout_s=60, max_items=3, on_overflow=lambda: overflows.append(len(box._items)))
         box.start()
         for i in range(3):
             box.put(i)
@@ -99,3 +101,4 @@ def test_a_bounded_inbox_drops_what_was_unread_and_says_so_once():
 
     got, dropped, left = run(main())
     assert got == [OVERFLOW] and dropped == 6 and left == 0
+    assert overflows == [0]  # called once, at the overflow, before any get (the reader may never come)

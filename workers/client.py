@@ -32,7 +32,8 @@ from workers.mailbox import KEEPALIVE, OVERFLOW, TIMED_OUT, Mailbox
 # The library's public names live in two modules of their own; `workers.client` is
 # where users import them from (README "From Python").
 from workers.requests import load_tokenizer, make_request, render_chat, render_prompt
-from workers.results import (AttemptFilter, GenpipeError, GenpipeTimeout, GenpipeUnavailable, Restart, Result,
+from workers.results import (AttemptFilter, GenpipeError, GenpipeOverflow, GenpipeTimeout, GenpipeUnavailable,
+                             Restart, Result,
                              ResultMessage, assemble, decode_result, raise_for_error, record_json, text_of)
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,9 @@ class GenpipeClient:
     bounds the wait for Kafka to acknowledge a request or a cancel: past it the call
     raises `GenpipeUnavailable` (the record may still be delivered once Kafka is back).
     `max_unread` bounds the records one request may have waiting unread (None: no
-    bound); a request whose reader falls that far behind fails with `GenpipeError`
-    (code 500) and is cancelled: the HTTP gateway sets it, so a client that stops
-    reading its stream cannot make the gateway grow without end.
+    bound); a request whose reader falls that far behind is cancelled at once and its
+    reader gets `GenpipeOverflow` (a `GenpipeError`, code 500): the HTTP gateway sets it,
+    so a client that stops reading its stream cannot make the gateway grow without end.
     """
 
     def __init__(self, bootstrap_servers: str | None = None, *, settings: KafkaSettings | None = None,
@@ -92,6 +93,7 @@ class GenpipeClient:
         self._consumer = None
         self._dispatcher: asyncio.Task | None = None
         self._waiting: dict[str, Mailbox] = {}
+        self._background: set[asyncio.Task] = set()  # cancels sent on their own (_cancel_soon)
         self._closed: _Closed | None = None
 
     # --- lifecycle -------------------------------------------------------------------
@@ -230,7 +232,8 @@ class GenpipeClient:
         if self._closed is not None and self._closed.error is not None:
             raise RuntimeError(f"the client's reader of {self.reply_topic} failed: {self._closed.error}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        mailbox = Mailbox(timeout, keepalive_s, self.max_unread)
+        mailbox = Mailbox(timeout, keepalive_s, self.max_unread,
+                          on_overflow=lambda: self._cancel_soon(rid, self._overflow_message(rid, mailbox)))
         self._waiting[rid] = mailbox  # before sending: no result can slip past
         finished = False
         try:
@@ -245,10 +248,7 @@ class GenpipeClient:
                 if message is TIMED_OUT:
                     raise GenpipeTimeout(self._timeout_message(rid, timeout, filt.accepted), request_id=rid)
                 if message is OVERFLOW:
-                    raise GenpipeError(
-                        f"request {rid}: its reader fell {self.max_unread} result records behind (the "
-                        f"client's max_unread); the request was given up ({mailbox.overflowed} records "
-                        f"dropped)", "server_error", code=500, request_id=rid)
+                    raise GenpipeOverflow(self._overflow_message(rid, mailbox), request_id=rid)
                 if isinstance(message, _Closed):
                     if message.error is not None:
                         raise RuntimeError(f"the client's reader of {self.reply_topic} failed: "
@@ -266,7 +266,8 @@ class GenpipeClient:
             mailbox.close()
             if self._waiting.get(rid) is mailbox:
                 del self._waiting[rid]
-            if not finished and self.cancel_on_abandon and self._producer is not None:
+            # (a reader that fell behind was cancelled when it happened: _cancel_soon)
+            if not finished and not mailbox.overflowed and self.cancel_on_abandon and self._producer is not None:
                 try:
                     await self.cancel(rid, "client gave up waiting")
                 except Exception as exc:  # best effort
@@ -293,6 +294,21 @@ class GenpipeClient:
             final=header_value(headers, HEADER_FINAL) == "1", restart=restart, topic=message.topic,
             partition=message.partition, offset=message.offset, timestamp=message.timestamp,
             received_at=received_at)
+
+    def _overflow_message(self, rid: str, mailbox: Mailbox) -> str:
+        return (f"request {rid}: its reader fell {self.max_unread} result records behind (the client's "
+                f"max_unread); the request was given up and cancelled ({mailbox.overflowed} records dropped)")
+
+    def _cancel_soon(self, rid: str, reason: str) -> None:
+        """Cancel from code that cannot await (a reader that fell behind: its own task may
+        be parked until its HTTP client reads again, so it cannot be the one to cancel)."""
+        if self._producer is None:
+            return
+        task = asyncio.ensure_future(self.cancel(rid, reason[:500]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
+            "could not cancel %s: %s", rid, t.exception()))
 
     def _timeout_message(self, rid: str, timeout: float, received: int) -> str:
         where = (f"are a generate and a derender worker running on topic prefix "
@@ -355,7 +371,8 @@ def _error_info(message: str) -> ErrorInfo:
 
 
 __all__ = [
-    "GenpipeClient", "GenpipeError", "GenpipeTimeout", "GenpipeUnavailable", "Restart", "ResultMessage",
+    "GenpipeClient", "GenpipeError", "GenpipeOverflow", "GenpipeTimeout", "GenpipeUnavailable", "Restart",
+    "ResultMessage",
     "AttemptFilter", "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
     "text_of", "raise_for_error", "load_tokenizer", "Result",
 ]

@@ -46,9 +46,10 @@ class Mailbox:
     the request itself (its records are as many as its chunks)."""
 
     __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s",
-                 "max_items", "overflowed", "received_at")
+                 "max_items", "overflowed", "received_at", "on_overflow")
 
-    def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None):
+    def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None,
+                 on_overflow=None):
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._loop = asyncio.get_running_loop()
@@ -59,6 +60,9 @@ class Mailbox:
         self.max_items = max_items
         self.overflowed = 0  # items dropped: unread when the bound was reached, and after
         self.received_at = 0.0  # when the item `get` returned last was put (the loop's clock)
+        # Called once, when the bound is reached: the reader may be parked for good (an HTTP
+        # client that stopped reading), so whatever must happen now cannot wait for its get.
+        self.on_overflow = on_overflow
 
     def put(self, item) -> None:
         now = self._last = self._loop.time()
@@ -70,6 +74,8 @@ class Mailbox:
             self.overflowed = len(self._items) + 1
             self._items.clear()
             item = OVERFLOW
+            if self.on_overflow is not None:
+                self.on_overflow()
         self._items.append((item, now))
         waiter = self._waiter
         if waiter is not None and not waiter.done():

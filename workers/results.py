@@ -61,6 +61,17 @@ class GenpipeTimeout(GenpipeError, TimeoutError):
         return self.message
 
 
+class GenpipeOverflow(GenpipeError):
+    """A request's reader fell `max_unread` records behind; the client gave the request up
+    and cancelled it when that happened."""
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message, "server_error", code=500, request_id=request_id)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class GenpipeUnavailable(GenpipeError, ConnectionError):
     """Kafka did not acknowledge a request (or a cancel) within the client's send timeout."""
 

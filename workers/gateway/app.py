@@ -27,7 +27,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas.openai import ErrorResponse
-from workers.client import GenpipeClient, GenpipeError, GenpipeTimeout, make_request, render_chat, render_prompt
+from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
+                            render_prompt)
 from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
@@ -209,11 +210,12 @@ class Gateway:
         records = self._one(choices[0]) if len(choices) == 1 else self._merged(choices)
         loop, relay = asyncio.get_running_loop(), GATEWAY_RELAY
 
-        def cancel_rest(reason: str) -> None:
+        def cancel_rest(reason: str, cancelled: str | None = None) -> None:
             for i, c in enumerate(choices):
                 if i not in finished:
                     finished.add(i)
-                    self._cancel(c.request_id, reason)
+                    if c.request_id != cancelled:
+                        self._cancel(c.request_id, reason)
 
         try:
             async with contextlib.aclosing(records):
@@ -249,7 +251,9 @@ class Gateway:
             yield b"data: [DONE]\n\n"
         except GenpipeError as exc:  # a timeout, or the HTTP client stopped reading (max_unread)
             # Cancel first: the error event may wait on a client that does not read.
-            cancel_rest(f"the HTTP stream failed: {exc.message[:200]}")
+            # (a choice whose reader fell behind was cancelled by the client already)
+            cancel_rest(f"the HTTP stream failed: {exc.message[:200]}",
+                        exc.request_id if isinstance(exc, GenpipeOverflow) else None)
             timeout = isinstance(exc, GenpipeTimeout)
             yield _event(error_body(exc.message, exc.type, exc.param, 504 if timeout else exc.code))
         finally:
