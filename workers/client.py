@@ -93,7 +93,7 @@ class GenpipeClient:
         self._consumer = None
         self._dispatcher: asyncio.Task | None = None
         self._waiting: dict[str, Mailbox] = {}
-        self._background: set[asyncio.Task] = set()  # cancels sent on their own (_cancel_soon)
+        self._background: set[asyncio.Task] = set()  # cancels sent on their own (cancel_soon)
         self._closed: _Closed | None = None
 
     # --- lifecycle -------------------------------------------------------------------
@@ -233,7 +233,7 @@ class GenpipeClient:
             raise RuntimeError(f"the client's reader of {self.reply_topic} failed: {self._closed.error}")
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         mailbox = Mailbox(timeout, keepalive_s, self.max_unread,
-                          on_overflow=lambda: self._cancel_soon(rid, self._overflow_message(rid, mailbox)))
+                          on_overflow=lambda: self.cancel_soon(rid, self._overflow_message(rid, mailbox)))
         self._waiting[rid] = mailbox  # before sending: no result can slip past
         finished = False
         try:
@@ -266,7 +266,7 @@ class GenpipeClient:
             mailbox.close()
             if self._waiting.get(rid) is mailbox:
                 del self._waiting[rid]
-            # (a reader that fell behind was cancelled when it happened: _cancel_soon)
+            # (a reader that fell behind was cancelled when it happened: cancel_soon)
             if not finished and not mailbox.overflowed and self.cancel_on_abandon and self._producer is not None:
                 try:
                     await self.cancel(rid, "client gave up waiting")
@@ -299,16 +299,17 @@ class GenpipeClient:
         return (f"request {rid}: its reader fell {self.max_unread} result records behind (the client's "
                 f"max_unread); the request was given up and cancelled ({mailbox.overflowed} records dropped)")
 
-    def _cancel_soon(self, rid: str, reason: str) -> None:
-        """Cancel from code that cannot await (a reader that fell behind: its own task may
-        be parked until its HTTP client reads again, so it cannot be the one to cancel)."""
+    def cancel_soon(self, request_id: str, reason: str = "cancelled by client") -> None:
+        """`cancel` from code that cannot await: a reader that fell behind (its own task may
+        be parked until its HTTP client reads again), a response being torn down. Sent in
+        the background; a failure is logged (the request then runs to its end)."""
         if self._producer is None:
             return
-        task = asyncio.ensure_future(self.cancel(rid, reason[:500]))
+        task = asyncio.ensure_future(self.cancel(request_id, reason[:500]))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
-            "could not cancel %s: %s", rid, t.exception()))
+            "could not cancel %s: %s", request_id, t.exception()))
 
     def _timeout_message(self, rid: str, timeout: float, received: int) -> str:
         where = (f"are a generate and a derender worker running on topic prefix "

@@ -73,7 +73,6 @@ class Gateway:
                                     send_timeout_s=config.send_timeout_s, cancel_on_abandon=False,
                                     max_unread=config.max_unread)
         self.in_flight = 0
-        self._background: set[asyncio.Task] = set()
         self.max_model_len = _max_model_len(config.tokenizer)
 
     async def start(self) -> None:
@@ -167,7 +166,7 @@ class Gateway:
             if not done.done():
                 done.cancel()
                 for c in choices:
-                    self._cancel(c.request_id, "the HTTP client went away")
+                    self.client.cancel_soon(c.request_id, "the HTTP client went away")
                 return Response(status_code=499)  # nobody reads it
             try:
                 results = self._results(done, choices)
@@ -191,7 +190,7 @@ class Gateway:
             return done.result()
         except BaseException:
             for c in choices:  # one choice failed: the others' answers would go unread
-                self._cancel(c.request_id, "another choice of the HTTP request failed")
+                self.client.cancel_soon(c.request_id, "another choice of the HTTP request failed")
             raise
 
     async def _events(self, choices: list, prompt_of: list[int], include_usage: bool, continuous_usage: bool):
@@ -215,7 +214,7 @@ class Gateway:
                 if i not in finished:
                     finished.add(i)
                     if c.request_id != cancelled:
-                        self._cancel(c.request_id, reason)
+                        self.client.cancel_soon(c.request_id, reason)
 
         try:
             async with contextlib.aclosing(records):
@@ -297,17 +296,6 @@ class Gateway:
         finally:
             for reader in readers:
                 reader.cancel()
-
-    def _cancel(self, request_id: str, reason: str) -> None:
-        # Not awaited here: this runs while the response's task is being cancelled.
-        task = asyncio.ensure_future(self.client.cancel(request_id, reason))
-        self._background.add(task)
-        task.add_done_callback(self._cancel_sent)
-
-    def _cancel_sent(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the request runs to its end
-            log.warning("%s", task.exception())
 
     # --- the rest ------------------------------------------------------------------------
 
