@@ -1,34 +1,60 @@
-"""When a request's pending tokens are published (workers/generate/chunks.py ChunkPolicy): pure."""
+"""When a request's pending tokens are published (workers/generate/chunks.py ChunkPolicy): pure.
+
+`due_at` answers on the monotonic clock; a due time at or before now means "publish now".
+"""
 
 from workers.generate.chunks import ChunkPolicy
+
+NEVER_PUBLISHED = float("-inf")
 
 
 def test_a_small_batch_publishes_every_step():
     policy = ChunkPolicy(max_records_per_s=10_000)
     interval = policy.interval(running=16)  # 16 requests: 1.6 ms between chunks at most
     assert interval == 0.0016
-    assert policy.should_flush(pending=1, waited_s=0.002, in_flight=0, interval_s=interval)  # a 2 ms step
+    # the previous chunk went one 2 ms step ago; this step's token is due as it is sampled
+    assert policy.due_at(1, first_pending_at=10.002, last_chunk_at=10.0, lagging=False, interval_s=interval) == 10.002
+
+
+def test_a_request_s_first_token_never_waits_for_the_rate_aim():
+    policy = ChunkPolicy(max_records_per_s=10_000)
+    interval = policy.interval(running=256)  # 20 ms: a large batch coalesces...
+    # ...but a request's first chunk goes out at once (time to first token)
+    assert policy.due_at(1, 5.0, NEVER_PUBLISHED, lagging=False, interval_s=interval) == 5.0
+
+
+def test_a_token_sampled_long_after_the_previous_chunk_leaves_at_once():
+    # The regression this rule fixes: one request at a model's pace (a token every 20 ms)
+    # has a 0.1 ms interval; counted from the token itself, a token published 80 µs after
+    # it was sampled was "not yet due" and waited for the next loop turn (up to 20 ms).
+    policy = ChunkPolicy(max_records_per_s=10_000)
+    interval = policy.interval(running=1)
+    assert interval == 0.0001
+    assert policy.due_at(1, first_pending_at=7.020, last_chunk_at=7.0, lagging=False, interval_s=interval) == 7.020
 
 
 def test_a_large_batch_coalesces_to_stay_near_the_chunk_rate():
     policy = ChunkPolicy(max_records_per_s=10_000, max_delay_s=0.02)
     interval = policy.interval(running=128)  # 12.8 ms: ~6 tokens a chunk at 2 ms steps
     assert abs(interval - 0.0128) < 1e-9
-    assert not policy.should_flush(pending=3, waited_s=0.006, in_flight=0, interval_s=interval)
-    assert policy.should_flush(pending=7, waited_s=0.013, in_flight=0, interval_s=interval)
+    # previous chunk at t=1.0; tokens pending since the next step: due 12.8 ms after the chunk
+    due = policy.due_at(3, first_pending_at=1.002, last_chunk_at=1.0, lagging=False, interval_s=interval)
+    assert abs(due - 1.0128) < 1e-9
     assert policy.interval(running=1000) == 0.02  # never more than max_delay_s
 
 
 def test_limits_hold_whatever_the_rate():
     policy = ChunkPolicy(max_records_per_s=10_000, max_tokens=16, max_delay_s=0.02, lag_threshold=64)
     interval = policy.interval(running=256)
-    assert policy.should_flush(pending=16, waited_s=0.0, in_flight=0, interval_s=interval)  # max_tokens
-    assert policy.should_flush(pending=1, waited_s=0.02, in_flight=1000, interval_s=interval)  # max_delay
-    assert not policy.should_flush(pending=5, waited_s=0.019, in_flight=64, interval_s=0.0)  # producer lags
-    assert not policy.should_flush(pending=0, waited_s=1.0, in_flight=0, interval_s=0.0)
+    # max_tokens: due at once, even right after a chunk and with the producer lagging
+    assert policy.due_at(16, 3.0, last_chunk_at=3.0, lagging=True, interval_s=interval) == 3.0
+    # a lagging producer holds tokens up to max_delay_s from the first of them, whatever the rate
+    assert policy.due_at(5, 3.0, NEVER_PUBLISHED, lagging=True, interval_s=0.0) == 3.02
+    # and the delay cap holds when the interval would hold longer (it cannot, by interval())
+    assert policy.due_at(5, 3.0, last_chunk_at=2.999, lagging=False, interval_s=1.0) == 3.02
 
 
 def test_no_rate_aim_publishes_every_step_as_before():
     policy = ChunkPolicy(max_records_per_s=0)
     assert policy.interval(running=10_000) == 0.0
-    assert policy.should_flush(pending=1, waited_s=0.0, in_flight=0, interval_s=policy.interval(256))
+    assert policy.due_at(1, 4.0, last_chunk_at=3.999, lagging=False, interval_s=policy.interval(256)) == 4.0

@@ -116,8 +116,33 @@ class HoldUntilFinal(ChunkPolicy):
     where tokens pile up in a lagging worker too (steps keep coming while a publish is
     under way), but here it happens every time rather than when the machine is slow."""
 
-    def should_flush(self, pending: int, waited_s: float, in_flight: int, interval_s: float = 0.0) -> bool:
-        return False
+    def due_at(self, pending: int, first_pending_at: float, last_chunk_at: float, lagging: bool,
+               interval_s: float) -> float:
+        return float("inf")
+
+
+async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_settings, make_topics, engine):
+    """The rate aim spaces a request's chunks from its previous chunk, so its first token
+    (time to first token) goes out alone, at once, even when the aim's interval is long;
+    the tokens after it are still coalesced. Before, the interval ran from the first
+    pending token: this request's first chunk waited 0.5 s and held ~10 tokens."""
+    await make_topics(kafka_settings, partitions=1)
+    request = GenerateRequest(request_id="ttft-1", prompt_token_ids=[1, 20, 30],
+                              sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+    # one running request at 2 chunks/s: a chunk every 0.5 s; steps paced at 50 ms
+    policy = ChunkPolicy(max_records_per_s=2.0, max_delay_s=10.0, max_tokens=1000)
+    stop, task = await start_worker(kafka_settings, engine, policy=policy, min_step_s=0.05)
+    try:
+        await produce(kafka_settings, [request_record(request)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({request.request_id}))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    got = chunks_by_request(records)[request.request_id]
+    assert len(got[0].token_ids) == 1
+    assert sum(len(c.token_ids) for c in got) == 12
+    assert len(got) < 12  # the rest coalesced: not a chunk per step
 
 
 async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(

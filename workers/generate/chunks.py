@@ -45,12 +45,21 @@ class ChunkPolicy:
             return 0.0
         return min(self.max_delay_s, running / self.max_records_per_s)
 
-    def should_flush(self, pending: int, waited_s: float, in_flight: int, interval_s: float = 0.0) -> bool:
-        if pending == 0:
-            return False
-        if pending >= self.max_tokens or waited_s >= self.max_delay_s:
-            return True
-        return in_flight < self.lag_threshold and waited_s >= interval_s
+    def due_at(self, pending: int, first_pending_at: float, last_chunk_at: float, lagging: bool,
+               interval_s: float) -> float:
+        """When a request's `pending` tokens (the first sampled at `first_pending_at`) are
+        to leave, on the monotonic clock; at or before now means now. The rate aim spaces
+        a request's chunks by `interval_s` counted from its previous chunk (`last_chunk_at`,
+        -inf before the first), not from its first pending token: a token sampled long
+        after the previous chunk leaves at once instead of waiting out a fresh interval
+        (which held low-load tokens for the next loop turn, up to 20 ms). A lagging
+        producer holds tokens up to `max_tokens` / `max_delay_s` whatever the rate."""
+        if pending >= self.max_tokens:
+            return first_pending_at
+        latest = first_pending_at + self.max_delay_s
+        if lagging:
+            return latest
+        return min(latest, max(first_pending_at, last_chunk_at + interval_s))
 
 
 @dataclass
@@ -66,7 +75,8 @@ class InFlight:
     token_offset: int = 0  # output index of the first pending token
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)
-    pending_since: float = 0.0
+    pending_since: float = 0.0  # when the first pending token was sampled (monotonic)
+    last_chunk_at: float = float("-inf")  # when the previous chunk was taken (monotonic)
     prompt_logprobs: list | None = None
     sampled_at_ns: int | None = None
     closed: bool = False  # the final chunk is taken: nothing may follow it

@@ -215,20 +215,23 @@ class GenerateHandler(Handler):
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
             now = time.monotonic()
-            interval, in_flight = self.policy.interval(len(self.inflight)), self.publisher.in_flight
+            interval = self.policy.interval(len(self.inflight))
+            lagging = self.publisher.in_flight >= self.policy.lag_threshold
+            due_at = self.policy.due_at  # tokens held here leave at a later step or loop turn
             for state in list(self.inflight.values()):
-                if not state.closed and self.policy.should_flush(
-                        len(state.pending_ids), now - state.pending_since, in_flight, interval):
-                    taken = self._take_records(state)
-                    records.extend(taken)  # the last one is final if the request just failed
-                    owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
+                if state.closed or not state.pending_ids:
+                    continue
+                due = due_at(len(state.pending_ids), state.pending_since, state.last_chunk_at, lagging, interval)
+                if due > now:
+                    continue
+                state.last_chunk_at = now
+                taken = self._take_records(state)
+                records.extend(taken)  # the last one is final if the request just failed
+                owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:
                 release_when_acked(future, state.release)
-
-    async def _flush_ready(self) -> None:
-        await self._publish_step([])
 
     def _take_records(self, state: InFlight, final: Final | None = None) -> list[Outgoing]:
         """The request's pending tokens as chunk records (workers/generate/chunks.py); a
