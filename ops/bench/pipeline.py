@@ -21,7 +21,12 @@ paces the engine like a real model (20 ms ≈ 50 tokens/s per request). Each pac
 its own table.
 
     python ops/bench/pipeline.py [--bootstrap-servers 127.0.0.1:9092] [--requests 32] \
-        [--min-step-ms 0 20]
+        [--min-step-ms 0 20] [--loads low moderate] [--reference REV]
+
+--reference REV also runs the workers of git revision REV (a worktree under /tmp, as
+throughput.py makes) on the same loads, each row right before this tree's, with its own
+floor: what the changes since REV did to latency, in one run. Each row also says whether
+it meets the issue #11 goal (c): added p50 <= floor p50 + 1 ms, p99 <= floor p99 + 5 ms.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from workers.kafka.follow import follow  # noqa: E402
 from workers.kafka.records import decode_message  # noqa: E402
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 
+LOADS = {"low": ("low (1 at a time)", 1), "moderate": ("moderate (16 at once)", 16)}
 PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "Hello! How are", "The little fox said"]
 
 
@@ -126,15 +132,18 @@ async def run_load(settings: KafkaSettings, prompts: list[list[int]], n: int, co
                    hop2=[(now - seen[k]) / 1e9 for k, now in keys], ttfts=ttfts)
 
 
-def start_workers(settings: KafkaSettings, model_dir: str, log_dir: Path, min_step_ms: float) -> list[subprocess.Popen]:
+def start_workers(settings: KafkaSettings, model_dir: str, log_dir: Path, min_step_ms: float,
+                  code: Path | None = None) -> list[subprocess.Popen]:
+    """A generate and a derender worker, from this checkout or from `code` (a worktree)."""
     common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
               "--log-level", "WARNING"]
+    env = dict(os.environ, PYTHONPATH=str(code)) if code is not None else None
     procs = []
     for name, args in (("generate", ["generate-worker", "--model", model_dir, "--min-step-ms", str(min_step_ms)]),
                        ("derender", ["derender-worker", "--tokenizer", model_dir])):
         log = open(log_dir / f"{name}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *args, *common], stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=code, env=env))
     return procs
 
 
@@ -210,6 +219,10 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}ms"
 
 
+def hops(values: list[float]) -> str:
+    return f"{pct(values, 0.5) * 1e3:.1f}/{pct(values, 0.99) * 1e3:.1f}ms"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
@@ -217,6 +230,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-step-ms", type=float, nargs="+", default=[0.0, 20.0],
                         help="generate worker paces to run, one table each (0 = unpaced)")
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
     parser.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)  # the floor's relay process
     parser.add_argument("--topic-prefix", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,30 +256,42 @@ def main() -> None:
     relay_proc = start_relay(floor_settings, log_dir)
     try:
         asyncio.run(floor_run(floor_settings, 50, 100))  # warm-up: group join, connections
+        codes = [("this", None)]
+        if args.reference:
+            from ops.bench.throughput import worktree
+
+            codes.insert(0, (args.reference[:9], worktree(args.reference)))
         for min_step_ms in args.min_step_ms:
-            settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
-                                     topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
-            asyncio.run(create_topics(settings, partitions=4))
-            procs = start_workers(settings, model_dir, log_dir, min_step_ms)
+            print(f"\ngenerate --min-step-ms {min_step_ms:g}")
+            print(f"{'code':<9} {'load':<22} {'tokens':>6} {'tok/s':>6} {'added p50':>10} {'added p99':>10} "
+                  f"{'hop1 p50/p99':>14} {'hop2 p50/p99':>14} {'floor p50':>10} {'floor p99':>10} "
+                  f"{'ttft p50':>9} {'ttft ovh p50':>12}  goal (c)")
+            workers = {}
             try:
-                # warm-up: workers join their groups, load, and compile their first steps
-                asyncio.run(run_load(settings, prompts, 2, 1, 4))
-                print(f"\ngenerate --min-step-ms {min_step_ms:g}")
-                print(f"{'load':<22} {'tokens':>6} {'tok/s':>6} {'added p50':>10} {'added p99':>10} "
-                      f"{'hop1 p50':>9} {'hop2 p50':>9} {'floor p50':>10} {'floor p99':>10} "
-                      f"{'ttft p50':>9} {'ttft ovh p50':>12}")
-                for label, concurrency in (("low (1 at a time)", 1), ("moderate (16 at once)", 16)):
-                    started = time.perf_counter()
-                    run = asyncio.run(run_load(settings, prompts, args.requests, concurrency, args.max_tokens))
-                    rate = len(run.added) / (time.perf_counter() - started)
-                    floor = asyncio.run(floor_run(floor_settings, len(run.added), rate))
-                    overhead = statistics.median(run.ttfts) - statistics.median(reference)
-                    print(f"{label:<22} {len(run.added):>6} {rate:>6.0f} {ms(pct(run.added, 0.5)):>10} "
-                          f"{ms(pct(run.added, 0.99)):>10} {ms(pct(run.hop1, 0.5)):>9} {ms(pct(run.hop2, 0.5)):>9} "
-                          f"{ms(pct(floor, 0.5)):>10} {ms(pct(floor, 0.99)):>10} "
-                          f"{ms(statistics.median(run.ttfts)):>9} {ms(overhead):>12}")
+                for name, code in codes:
+                    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
+                                             topic_prefix=f"bench-{uuid.uuid4().hex[:6]}")
+                    asyncio.run(create_topics(settings, partitions=4))
+                    workers[name] = (settings, start_workers(settings, model_dir, log_dir, min_step_ms, code))
+                    # warm-up: workers join their groups, load, and compile their first steps
+                    asyncio.run(run_load(settings, prompts, 2, 1, 4))
+                for label, concurrency in [LOADS[name] for name in args.loads]:
+                    for name, (settings, _) in workers.items():
+                        started = time.perf_counter()
+                        run = asyncio.run(run_load(settings, prompts, args.requests, concurrency, args.max_tokens))
+                        rate = len(run.added) / (time.perf_counter() - started)
+                        floor = asyncio.run(floor_run(floor_settings, len(run.added), rate))
+                        overhead = statistics.median(run.ttfts) - statistics.median(reference)
+                        met = (pct(run.added, 0.5) <= pct(floor, 0.5) + 0.001
+                               and pct(run.added, 0.99) <= pct(floor, 0.99) + 0.005)
+                        print(f"{name:<9} {label:<22} {len(run.added):>6} {rate:>6.0f} {ms(pct(run.added, 0.5)):>10} "
+                              f"{ms(pct(run.added, 0.99)):>10} {hops(run.hop1):>14} {hops(run.hop2):>14} "
+                              f"{ms(pct(floor, 0.5)):>10} {ms(pct(floor, 0.99)):>10} "
+                              f"{ms(statistics.median(run.ttfts)):>9} {ms(overhead):>12}  "
+                              f"{'met' if met else 'not met'}")
             finally:
-                stop_processes(procs)
+                for _, procs in workers.values():
+                    stop_processes(procs)
     finally:
         stop_processes([relay_proc])
 
