@@ -91,6 +91,12 @@ class ConsumerLoop:
         self.max_records = max_records
         self.offsets = offsets  # shared with the handler, which holds offsets through it
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        # The periodic commit runs beside the loop: awaited in line it stopped the loop for
+        # a broker round trip every commit_interval_s, and a record arriving then waited
+        # (the low-load latency tail, BENCHMARKS.md). At most one is in flight; a revoke
+        # and shutdown wait for it before their own commit, so an older commit never lands
+        # after a newer one.
+        self._commit_task: asyncio.Task | None = None
         self._paused: set[str] = set()  # topics paused for backpressure
         self._revoked_at: int | None = None  # generation whose partitions were revoked, kept
         # Partitions whose assignment callback has completed. aiokafka may hand out
@@ -135,6 +141,20 @@ class ConsumerLoop:
         for tp, om in offsets.items():
             self._committed[tp] = (om.offset, om.metadata)
 
+    def _commit_soon(self) -> None:
+        task = self._commit_task
+        if task is not None:
+            if not task.done():
+                return
+            task.result()  # an unexpected failure stops the loop, as an awaited commit did
+        self._commit_task = asyncio.ensure_future(self.commit())
+
+    async def _commit_settled(self) -> None:
+        """Wait for the periodic commit in flight, if any (it never raises: commit logs)."""
+        if self._commit_task is not None:
+            await self._commit_task
+            self._commit_task = None
+
     async def _committed_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
         # consumer.committed() drops the metadata string; the admin client returns it.
         admin = make_admin(self.settings.with_client_id(f"{self.settings.client_id}-admin"))
@@ -161,6 +181,7 @@ class ConsumerLoop:
                     return
                 log.info("partitions revoked: %s", _names(revoked))
                 await loop.handler.on_revoked(revoked)
+                await loop._commit_settled()
                 await loop.commit(revoked)
                 loop._ready.difference_update(revoked)
                 if loop.keep_work:
@@ -246,13 +267,16 @@ class ConsumerLoop:
                 update_lag(self.consumer, self.offsets, self.worker)
                 self._apply_backpressure()
                 if time.monotonic() - last_commit >= self.commit_interval_s:
-                    await self.commit()
+                    self._commit_soon()
                     last_commit = time.monotonic()
             # Shutdown: take nothing new, let in-flight work finish, commit what finished.
             self.consumer.pause(*self.consumer.assignment())
             await self.handler.drain(time.monotonic() + grace_s)
+            await self._commit_settled()
             await self.commit()
         finally:
+            if self._commit_task is not None and not self._commit_task.done():
+                self._commit_task.cancel()  # the loop failed: its partitions' next owner re-reads
             await self.consumer.stop()
 
 
