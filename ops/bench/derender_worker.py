@@ -30,7 +30,6 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,8 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))
+from paired import Message, Publisher, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 WORKLOADS = [(shape, text, k) for text in ("ascii", "cjk", "synthetic") for shape in ("chat", "completion")
              for k in (0, 5)]
@@ -97,48 +98,6 @@ def synthetic_chunks(vocab: int, k: int, requests: int, tokens: int, chunk_token
             chunks.append(chunk)
         per_request.append(chunks)
     return [c[i] for i in range(max(map(len, per_request))) for c in per_request if i < len(c)]
-
-
-class Message:
-    __slots__ = ("topic", "partition", "offset", "key", "value", "headers", "timestamp")
-
-    def __init__(self, topic, partition, offset, value, headers):
-        self.topic, self.partition, self.offset, self.value, self.headers = topic, partition, offset, value, headers
-        self.key, self.timestamp = None, 0
-
-
-class Publisher:
-    """Takes what aiokafka's batch append takes (key, value, headers); acks at once."""
-
-    max_record_bytes = 1_000_000
-    in_flight = 0
-
-    def __init__(self, sink):
-        self.sink = sink
-
-    async def partition_count(self, topic):
-        return 8
-
-    def _take(self, record):
-        self.sink.append((record.topic, record.key.encode(), record.kafka_value(), record.kafka_headers()))
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
-    async def publish(self, record):
-        return self._take(record)
-
-    async def publish_batch(self, records):
-        """A future per record, shared by the records of one partition (as one producer
-        batch per partition is acknowledged at once)."""
-        futures, by_partition = [], {}
-        for r in records:
-            future = self._take(r)
-            futures.append(by_partition.setdefault((r.topic, r.partition), future))
-        return futures
-
-    async def flush(self):
-        pass
 
 
 async def run_side(messages, tables, per_poll: int = 200):
@@ -207,38 +166,6 @@ def profile(args) -> None:
 
 # --- the parent: both sides, alternating ---------------------------------------------------
 
-def worktree(rev: str) -> Path:
-    """A checkout of `rev` under /tmp, made once: ops/bench/throughput.py's, shared."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from ops.bench.throughput import worktree as checkout
-
-    return checkout(rev)
-
-
-class Side:
-    """A `--serve` child running the code at `code`."""
-
-    def __init__(self, code: Path, args):
-        cmd = [sys.executable, str(HERE), "--serve", "--requests", str(args.requests), "--tokens", str(args.tokens),
-               "--chunk-tokens", str(args.chunk_tokens)]
-        env = dict(os.environ, PYTHONPATH=str(code), GENPIPE_BENCH_CODE=str(code))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=str(code))
-
-    def run(self, workload: str) -> dict:
-        self.proc.stdin.write(workload + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench child exited (code {self.proc.wait()})")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", metavar="REV", default="main", help="the code to compare with (git rev)")
@@ -255,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", help="--profile: the workload (shape:text:k)")
     args = parser.parse_args(argv)
     if args.serve or args.profile:
-        code = os.environ.get("GENPIPE_BENCH_CODE", str(ROOT))
-        sys.path.insert(0, code)
-        import schemas
-        import workers  # the packages of `code`, before ops/bench/derender.py puts ROOT first
-
-        assert all(Path(m.__file__).resolve().is_relative_to(Path(code).resolve()) for m in (schemas, workers))
+        use_code()  # the packages of the side's code, before ops/bench/derender.py puts ROOT first
         (serve if args.serve else profile)(args)
         return 0
     if args.quick:
@@ -273,27 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workload':<23} {'records':>7} {'ref us/rec':>10} {'new us/rec':>10} {'ref us/tok':>10} "
           f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  bytes")
     new = worktree(args.contender) if args.contender else ROOT
-    sides = {"ref": Side(ref, args), "new": Side(new, args)}
+    child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
+                  "--chunk-tokens", str(args.chunk_tokens)]
+    sides = {"ref": Side(HERE, ref, child_args), "new": Side(HERE, new, child_args)}
     same = True
     try:
         for w in workloads:
-            times: dict[str, list[float]] = {"ref": [], "new": []}
-            digests: dict[str, set] = {"ref": set(), "new": set()}
-            for i in range(args.rounds):
-                for side in (("ref", "new") if i % 2 == 0 else ("new", "ref")):  # ABBA: no order bias
-                    r = sides[side].run(w)
-                    times[side].append(r["cpu_s"])
-                    digests[side].add(r["digest"])
-            records, tokens = r["records"], r["tokens"]
-            equal = digests["ref"] == digests["new"] and len(digests["new"]) == 1
-            same &= equal
-            best = {side: min(t) for side, t in times.items()}
-            # the median of the per-pair ratios: each pair ran back to back, under the same load
-            pairs = sorted(a / b for a, b in zip(times["ref"], times["new"]))
+            r = interleaved(sides, w, args.rounds)
+            records, tokens, best = r["records"], r["tokens"], r["best"]
+            same &= r["identical"]
             print(f"{w:<23} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
                   f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
-                  f"{best['ref'] / best['new']:>5.2f}x {pairs[len(pairs) // 2]:>6.2f}x  "
-                  f"{'identical' if equal else 'DIFFERENT'}", flush=True)
+                  f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  "
+                  f"{'identical' if r['identical'] else 'DIFFERENT'}", flush=True)
     finally:
         for side in sides.values():
             side.close()

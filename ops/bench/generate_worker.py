@@ -1,0 +1,181 @@
+"""The generate worker's CPU per token and per chunk, old code against new, with no broker.
+
+    python ops/bench/generate_worker.py --reference REV [--contender REV] [--rounds 20] [--k 0 5]
+
+Everything the worker's process does for a token except the broker round trips and the
+engine itself: the engine's steps as its child sends them on the pipe (msgpack bytes of
+`Step`, made once per side, before the timed runs: the synthetic engine, every request
+in every step) are decoded as the reader thread does and handed to the real
+`GenerateHandler.on_outputs`, which turns them into chunk records (the chunk policy,
+`GenerateChunk` structs, msgpack encoding, record size check, headers, metrics) and
+publishes them as producer batches to a publisher that takes each record as aiokafka's
+batch append would and acknowledges it at once. The requests come first, through the real
+`handle` (decode, validation, admission, offsets). Chunks hold exactly --chunk-tokens
+tokens (the publisher reports a lagging producer, so the policy coalesces to its token
+cap: independent of timing, so both sides publish the same chunks).
+
+Sides, interleaving, the paired ratio and the byte check are ops/bench/paired.py's: every
+chunk record's topic, key, headers and value (its attempt id and sampled time blanked:
+random and clock) are hashed, and the two sides must publish identical records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+from paired import Message, Publisher, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+
+
+# --- a child: one side, its runs timed ----------------------------------------------------
+
+class Engine:
+    """The handler's view of the engine process: requests are validated and sent (encoded)
+    to the child; here the steps were made beforehand, so nothing is sent."""
+
+    failure = None
+
+    def __init__(self):
+        from workers.generate import engine_process
+
+        self._encode, self._add = engine_process._encode, engine_process.Add
+
+    def validate(self, request) -> None:
+        pass
+
+    def add(self, request) -> None:
+        self._encode(self._add(request))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        pass
+
+
+def build(k: int, requests: int, tokens: int):
+    """The request records, and the engine's steps as pipe bytes."""
+    from schemas import GenerateRequest, SamplingParams, encode, headers_for
+    from workers.generate import engine_process
+    from workers.generate.synthetic import SyntheticEngine
+
+    reqs = [GenerateRequest(request_id=f"gen-{i}", prompt_token_ids=[1, 5, 6, 7],
+                            sampling=SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=k if k else None))
+            for i in range(requests)]
+    messages = [("b.requests", i % 8, i // 8, encode(r), headers_for(r), r.request_id.encode())
+                for i, r in enumerate(reqs)]
+    engine = SyntheticEngine(step_s=0.0, max_batch=requests)
+    for r in reqs:
+        engine.add(r)
+    steps = []
+    while engine.has_work():
+        steps.append(engine_process._encode(engine_process.Step(engine.step(), 0.0)))
+    return messages, steps, requests * tokens
+
+
+async def run_side(messages, steps, chunk_tokens: int):
+    from aiokafka import TopicPartition
+
+    from workers.generate import engine_process
+    from workers.generate.chunks import ChunkPolicy
+    from workers.generate.worker import GenerateHandler
+    from workers.kafka.offsets import PartitionOffsets
+    from workers.kafka.settings import KafkaSettings
+
+    sink: list = []
+    offsets = PartitionOffsets()
+    policy = ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1)
+    handler = GenerateHandler(KafkaSettings(topic_prefix="b"), Publisher(sink, in_flight=10**9), offsets,
+                              Engine(), max_running=len(messages), policy=policy)
+    msgs = [Message(*m) for m in messages]
+    decode = engine_process._decode_from_child
+    start = time.process_time()
+    for m in msgs:  # as the consumer loop: the offset seen, then the handler
+        offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)
+        await handler.handle(m)
+    for data in steps:
+        handler.on_outputs(decode(data).outputs)  # the reader thread's decode, the loop's handling
+        while handler._publishing:  # the step's publish task
+            await asyncio.sleep(0)
+    return time.process_time() - start, sink
+
+
+def digest(sink) -> str:
+    from schemas import GenerateChunk
+    from schemas.codec import decode_record, encode
+
+    h = hashlib.sha256()
+    for topic, key, value, headers in sink:
+        chunk = decode_record(value, headers, GenerateChunk)
+        chunk.attempt, chunk.sampled_at_ns = "", 0
+        h.update(repr((topic, key, encode(chunk), headers)).encode())
+    return h.hexdigest()
+
+
+def serve(args) -> None:
+    """One side, kept up: per line on stdin (a workload: k), one timed run; a JSON line out."""
+    import gc
+
+    loaded: dict[str, tuple] = {}
+    gc.freeze()  # as the worker does once up (workers/gc_tuning.py)
+    for line in sys.stdin:
+        workload = line.strip()
+        if workload not in loaded:
+            loaded[workload] = build(int(workload.split("=")[1]), args.requests, args.tokens)
+            gc.freeze()
+            asyncio.run(run_side(*loaded[workload][:2], args.chunk_tokens))  # warm-up
+        messages, steps, tokens = loaded[workload]
+        t, sink = asyncio.run(run_side(messages, steps, args.chunk_tokens))
+        print(json.dumps({"cpu_s": t, "digest": digest(sink), "tokens": tokens, "records": len(sink)}), flush=True)
+
+
+# --- the parent: both sides, alternating ---------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", metavar="REV", default="main", help="the code to compare with (git rev)")
+    parser.add_argument("--contender", metavar="REV", help="the code to measure, if not this checkout (a worktree "
+                        "too: what one commit bought is --reference C^ --contender C)")
+    parser.add_argument("--rounds", type=int, default=20, help="timed runs per side and workload, interleaved")
+    parser.add_argument("--requests", type=int, default=256, help="requests, all in one batch")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--chunk-tokens", type=int, default=10)
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, a workload each")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        use_code()
+        serve(args)
+        return 0
+    ref = worktree(args.reference)
+    new = worktree(args.contender) if args.contender else HERE.parents[2]
+    print(f"reference {args.reference} ({ref}) vs {args.contender or 'this checkout'}; {args.requests} requests x "
+          f"{args.tokens} tokens in one batch, {args.chunk_tokens} tokens/chunk; {args.rounds} runs a side, "
+          f"interleaved; CPU time, best run")
+    print(f"{'workload':<9} {'chunks':>7} {'ref us/chunk':>12} {'new us/chunk':>12} {'ref us/tok':>10} "
+          f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  chunks")
+    child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
+                  "--chunk-tokens", str(args.chunk_tokens)]
+    sides = {"ref": Side(HERE, ref, child_args), "new": Side(HERE, new, child_args)}
+    same = True
+    try:
+        for k in args.k:
+            r = interleaved(sides, f"k={k}", args.rounds)
+            records, tokens, best = r["records"], r["tokens"], r["best"]
+            same &= r["identical"]
+            print(f"{'k=' + str(k):<9} {records:>7} {best['ref'] / records * 1e6:>12.1f} "
+                  f"{best['new'] / records * 1e6:>12.1f} {best['ref'] / tokens * 1e6:>10.2f} "
+                  f"{best['new'] / tokens * 1e6:>10.2f} {best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  "
+                  f"{'identical' if r['identical'] else 'DIFFERENT'}", flush=True)
+    finally:
+        for side in sides.values():
+            side.close()
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
