@@ -4,8 +4,8 @@ to take chunks and publishes them."""
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -70,7 +70,7 @@ class InFlight:
     tp: TopicPartition
     offset: int  # of the request record (chunk seq 0 carries it as request_offset)
     release: Release  # lets the loop commit past the request record (once its final chunk is acked)
-    attempt: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    attempt: str = field(default_factory=lambda: os.urandom(8).hex())  # 16 hex digits, as before
     seq: int = 0
     token_offset: int = 0  # output index of the first pending token
     pending_ids: list[int] = field(default_factory=list)
@@ -99,6 +99,15 @@ class ChunkBuilder:
         self.policy = policy
         self.fits = fits
         self.max_record_bytes = max_record_bytes
+        # Counted here, added to the metrics once per publish step (count_taken): two
+        # counter increments per chunk were ~3% of the worker's loop at high rates.
+        self.chunks_taken = self.tokens_taken = 0
+
+    def count_taken(self) -> None:
+        if self.chunks_taken:
+            series(CHUNKS, W).inc(self.chunks_taken)
+            series(TOKENS, W).inc(self.tokens_taken)
+            self.chunks_taken = self.tokens_taken = 0
 
     def take(self, state: InFlight, final: Final | None = None) -> tuple[list[Outgoing], str | None]:
         """All of the request's pending tokens as chunk records; the last one carries
@@ -154,8 +163,8 @@ class ChunkBuilder:
 
     def _advance(self, state: InFlight, count: int) -> None:
         """The chunk of the first `count` pending tokens is taken: number the next one."""
-        series(CHUNKS, W).inc()
-        series(TOKENS, W).inc(count)
+        self.chunks_taken += 1
+        self.tokens_taken += count
         state.seq += 1
         state.token_offset += count
         del state.pending_ids[:count], state.pending_logprobs[:count]

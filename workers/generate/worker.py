@@ -228,6 +228,7 @@ class GenerateHandler(Handler):
                 taken = self._take_records(state)
                 records.extend(taken)  # the last one is final if the request just failed
                 owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
+            self.chunks.count_taken()
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:

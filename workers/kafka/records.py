@@ -16,7 +16,7 @@ from schemas.headers import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PAR
 
 
 
-@dataclass
+@dataclass(slots=True)
 class Outgoing:
     """One record to publish: the value is a schemas Struct, encoded (with its headers)
     once, when first needed: sizing it for the record limit, or sending it. Build a new
@@ -26,14 +26,14 @@ class Outgoing:
     key: str
     value: Any
     content_type: str = MSGPACK
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # genpipe-* headers beyond content-type and schema
     partition: int | None = None  # None: the producer's key hashing decides
     _encoded: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _headers: Headers | None = field(default=None, init=False, repr=False, compare=False)
 
     def kafka_headers(self) -> Headers:
         if self._headers is None:
-            extra = [(name, str(value).encode()) for name, value in self.headers.items()]
+            extra = [(name, str(value).encode()) for name, value in self.headers.items()] if self.headers else ()
             self._headers = headers_for(self.value, self.content_type, extra)
         return self._headers
 
