@@ -40,7 +40,12 @@ def test_a_large_batch_coalesces_to_stay_near_the_chunk_rate():
     # previous chunk at t=1.0; tokens pending since the next step: due 12.8 ms after the chunk
     due = policy.due_at(3, first_pending_at=1.002, last_chunk_at=1.0, lagging=False, interval_s=interval)
     assert abs(due - 1.0128) < 1e-9
-    assert policy.interval(running=1000) == 0.02  # never more than max_delay_s
+    # 256 at 2 ms steps: 25.6 ms, but no token waits past max_delay_s (20 ms) from the first
+    # pending one (sampled a step after the previous chunk): a chunk every ~22 ms
+    interval = policy.interval(running=256)
+    assert abs(interval - 0.0256) < 1e-9
+    due = policy.due_at(11, first_pending_at=2.002, last_chunk_at=2.0, lagging=False, interval_s=interval)
+    assert abs(due - 2.022) < 1e-9
 
 
 def test_limits_hold_whatever_the_rate():
@@ -50,7 +55,7 @@ def test_limits_hold_whatever_the_rate():
     assert policy.due_at(16, 3.0, last_chunk_at=3.0, lagging=True, interval_s=interval) == 3.0
     # a lagging producer holds tokens up to max_delay_s from the first of them, whatever the rate
     assert policy.due_at(5, 3.0, NEVER_PUBLISHED, lagging=True, interval_s=0.0) == 3.02
-    # and the delay cap holds when the interval would hold longer (it cannot, by interval())
+    # and the delay cap holds when the interval would hold longer
     assert policy.due_at(5, 3.0, last_chunk_at=2.999, lagging=False, interval_s=1.0) == 3.02
 
 

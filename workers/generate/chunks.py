@@ -40,10 +40,14 @@ class ChunkPolicy:
     max_records_per_s: float = 10_000.0  # the chunk rate a worker aims to stay under (0: no aim)
 
     def interval(self, running: int) -> float:
-        """The shortest time between two chunks of one request with `running` requests."""
+        """The shortest time between two chunks of one request with `running` requests.
+        Not capped here: `due_at` caps how long a token waits (max_delay_s from the first
+        pending one, which comes a step after the previous chunk), and a cap here too
+        would space chunks a step closer than the aim at large batches (measured: 18%
+        more chunks at batch 256, each paid for downstream)."""
         if self.max_records_per_s <= 0:
             return 0.0
-        return min(self.max_delay_s, running / self.max_records_per_s)
+        return running / self.max_records_per_s
 
     def due_at(self, pending: int, first_pending_at: float, last_chunk_at: float, lagging: bool,
                interval_s: float) -> float:
