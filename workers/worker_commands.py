@@ -202,8 +202,8 @@ def register(sub) -> None:
                      default=os.environ.get("GENPIPE_MAX_CHUNK_RATE", "10000"),
                      help="chunk records per second this worker aims to stay under (env "
                           "GENPIPE_MAX_CHUNK_RATE; default %(default)s; 0 = one chunk per step always). "
-                          "Each request then publishes at most every running/rate seconds (capped by "
-                          "--coalesce-max-delay-ms): a small batch still publishes every step, a large "
+                          "Each request then publishes at most every running/rate seconds after its previous "
+                          "chunk, and no token waits longer than --coalesce-max-delay-ms: a small batch still publishes every step, a large "
                           "one coalesces tokens, which every record downstream (derender, results) pays "
                           "for once rather than per token")
     _common(gen)
