@@ -113,3 +113,14 @@ def test_max_tokens_zero_is_the_prompt_only():
     outs = [o for _ in range(3) for o in engine.step()]
     assert len(outs) == 1 and outs[0].token_ids == [] and outs[0].finish_reason == "length"
     assert outs[0].prompt_logprobs[0] is None and [e.token_id for e in outs[0].prompt_logprobs[1:]] == [5, 6]
+
+
+def test_prompt_tokens_repeat_the_prompt_and_an_unknown_rule_is_refused():
+    """`tokens="prompt"` (`--synthetic-tokens prompt`): a benchmark's own text comes back."""
+    engine = SyntheticEngine(step_s=0.0, max_batch=2, vocab_size=2000, tokens="prompt")
+    outs = run(engine, [req("a", max_tokens=7), req("b", max_tokens=2)])
+    assert tokens(outs["a"]) == [1, 5, 6, 1, 5, 6, 1]
+    assert tokens(outs["b"]) == [1, 5]
+    assert outs["a"][-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="tokens must be one of hash, prompt"):
+        SyntheticEngine(tokens="prompts")

@@ -81,7 +81,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         grace_s=args.grace_period if args.grace_period is not None else 30.0,
         commit_interval_s=args.commit_interval_ms / 1000, min_step_s=args.min_step_ms / 1000,
         engine_in=args.engine_in, threads=args.threads, max_record_bytes=args.max_record_bytes,
-        engine=args.engine, synthetic_step_s=args.step_ms / 1000,
+        engine=args.engine, synthetic_step_s=args.step_ms / 1000, synthetic_tokens=args.synthetic_tokens,
         reply_topic_pattern=args.reply_topic_pattern, queue_requests=args.queue_requests,
         queue_tokens=args.queue_tokens, group_instance_id=args.group_instance_id or None, assignor=args.assignor,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000,
@@ -172,6 +172,10 @@ def register(sub) -> None:
                           "at GPU-like rates (like vLLM's dummy weights), never for answers")
     gen.add_argument("--step-ms", type=at_least(0.0, float), default=2.0,
                      help="with --engine synthetic: the time one step takes (default %(default)s ms)")
+    gen.add_argument("--synthetic-tokens", choices=("hash", "prompt"), default="hash",
+                     help="with --engine synthetic: 'hash' (default) a deterministic ordinary token of "
+                          "(request id, position); 'prompt' the request's prompt ids over and over, so a "
+                          "benchmark's own text (ASCII, CJK) goes through the derender")
     gen.add_argument("--min-step-ms", type=at_least(0.0, float), default=0.0,
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "

@@ -11,12 +11,21 @@ and the derender (from /proc, over the whole run); chunk and result records and 
 mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99.
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
-        [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5] [--no-stream]
-        [--reference REV]
+        [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
+        [--kind completion chat] [--text synthetic ascii cjk] [--reference REV]
+
+Workloads, one run each for every combination given: --k logprobs per position
+(completions: `logprobs=k`; chat: `logprobs=true, top_logprobs=k`), --kind of result
+(OpenAI completion or chat shapes), --text: `synthetic` (the synthetic engine's hashed
+ids of the tiny vocabulary, whose text is mostly fragments and U+FFFD), `ascii` or `cjk`
+(ops/bench/derender.py's texts: English, code and numbers; CJK and emoji, byte pieces
+that the derender corrects), sent as the prompts of a generate worker run with
+`--synthetic-tokens prompt`, so the output is that text over and over.
 
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
 same load right before each contender run, and prints the ratio of each stage's CPU per
-token: what the changes since REV bought, measured in one run.
+token: what the changes since REV bought, measured in one run (with --text ascii or cjk,
+REV must know `--synthetic-tokens`).
 """
 
 from __future__ import annotations
@@ -90,8 +99,10 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
               "--log-level", "WARNING"]
     env = dict(os.environ, PYTHONPATH=str(code)) if code is not None else None
     procs = {}
-    for name, extra in (("generate", ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms),
-                                      "--max-batch", str(args.max_batch)]),
+    gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
+    if args.prompts is not None:  # a text's ids as the prompts: the output repeats them
+        gen += ["--synthetic-tokens", "prompt"]
+    for name, extra in (("generate", gen),
                         ("derender", ["derender-worker"])):
         log = open(log_dir / f"{name}.log", "wb")
         procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
@@ -99,11 +110,40 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     return procs
 
 
+def text_prompts(text: str, count: int, tokens: int) -> list[list[int]]:
+    """`count` distinct prompts of ~`tokens` ids of the tiny spm tokenizer (the derender's
+    default), from ops/bench/derender.py's workload texts, each ending on a whole character."""
+    import random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from derender import workload_text  # noqa: E402  (this directory's ops/bench/derender.py)
+
+    from workers.derender.vocab import VocabTables
+    from workers.models.tinymodel import build_tokenizer
+
+    tables = VocabTables(build_tokenizer("spm"))
+    rng, prompts = random.Random(0), []
+    for _ in range(count):
+        ids = tables.tokenizer.encode(workload_text(text, rng, tokens * 3), add_special_tokens=False).ids[:tokens]
+        while len(ids) > 1 and tables.dirty[ids[-1]]:
+            ids.pop()
+        prompts.append(ids)
+    return prompts
+
+
+def make_requests(args, k: int, count: int) -> list:
+    from workers.client import make_request
+
+    logprobs = {} if not k else ({"logprobs": True, "top_logprobs": k} if args.kind == "chat" else {"logprobs": k})
+    return [make_request(args.prompts[i % len(args.prompts)] if args.prompts else [1, 5, 6, 7], kind=args.kind,
+                         max_tokens=args.max_tokens, ignore_eos=True, stream=not args.no_stream, **logprobs)
+            for i in range(count)]
+
+
 async def run_load(settings: KafkaSettings, args, k: int) -> dict:
     """Send every request at once; read results until each has its final one."""
     from schemas import encode, headers_for
     from schemas.headers import HEADER_FINAL
-    from workers.client import make_request
     from workers.kafka.clients import make_consumer, make_producer
     from workers.kafka.follow import assign_all, batches
 
@@ -112,9 +152,7 @@ async def run_load(settings: KafkaSettings, args, k: int) -> dict:
     await assign_all(consumer, settings.topic("results"), None)
     producer = make_producer(settings)
     await producer.start()
-    requests = [make_request([1, 5, 6, 7], kind="completion", max_tokens=args.max_tokens, ignore_eos=True,
-                             stream=not args.no_stream, logprobs=k if k else None)
-                for _ in range(args.requests)]
+    requests = make_requests(args, k, args.requests)
     wanted = {r.request_id for r in requests}
     started = time.perf_counter()
     for r in requests:
@@ -183,7 +221,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
     per, rate = row["per"], row["rate"]
-    print(f"{code:<9} {k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
+    print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
           f"{per['engine']:>13.1f} {per['der']:>15.1f} {row['chunks']:>8} "
           f"{row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {row['results']:>8} "
           f"{row['result_bytes'] / max(row['results'], 1):>8.0f} {row['p50'] * 1000:>6.0f}ms {row['p99'] * 1000:>6.0f}ms")
@@ -197,6 +235,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, one run each")
+    parser.add_argument("--kind", nargs="+", choices=("completion", "chat"), default=["completion"],
+                        help="result shape, one run each (default completion)")
+    parser.add_argument("--text", nargs="+", choices=("synthetic", "ascii", "cjk"), default=["synthetic"],
+                        help="what the output says, one run each (default synthetic; see above)")
     parser.add_argument("--no-stream", action="store_true")
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
     args = parser.parse_args()
@@ -204,21 +246,26 @@ def main() -> None:
     offered = engine_alone(args.step_ms, args.max_batch, args.requests, args.max_tokens)
     print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
           f"{args.requests} requests x {args.max_tokens} tokens)")
-    print(f"{'code':<9} {'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
+    print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
           f"{'derender us/tok':>15} {'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} "
           f"{'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
     reference = worktree(args.reference) if args.reference else None
-    for k in args.k:
-        if reference is not None:
-            before = measure(args, k, log_dir, reference)
-            print_row(f"{args.reference[:9]}", k, args, before, offered)
-        row = measure(args, k, log_dir, None)
-        print_row("this", k, args, row, offered)
-        if reference is not None:
-            print("    CPU per token, reference / this: " + ", ".join(
-                f"{name} {before['per'][name] / max(row['per'][name], 1e-9):.2f}x"
-                for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x")
+    kinds, texts = args.kind, args.text
+    for text in texts:
+        prompts = None if text == "synthetic" else text_prompts(text, 64, args.max_tokens)
+        for kind in kinds:
+            for k in args.k:
+                load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
+                if reference is not None:
+                    before = measure(load, k, log_dir, reference)
+                    print_row(f"{args.reference[:9]}", k, load, before, offered)
+                row = measure(load, k, log_dir, None)
+                print_row("this", k, load, row, offered)
+                if reference is not None:
+                    print("    CPU per token, reference / this: " + ", ".join(
+                        f"{name} {before['per'][name] / max(row['per'][name], 1e-9):.2f}x"
+                        for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x")
     print(f"(worker logs: {log_dir}; chunk counts include the warm-up's 8 requests)")
 
 

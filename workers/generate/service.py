@@ -47,6 +47,7 @@ class GenerateWorkerConfig:
     max_record_bytes: int = MAX_RECORD_BYTES  # largest chunk record published (see publisher)
     engine: str = "model"  # or "synthetic": no model, `synthetic_step_s` a step (benchmarks only)
     synthetic_step_s: float = 0.002
+    synthetic_tokens: str = "hash"  # or "prompt": the prompt's ids repeated (workers/generate/synthetic.py)
     reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
     queue_requests: int = 1024  # read-ahead queue of requests not yet started (admission.py)
     queue_tokens: int = 1_000_000  # ... and of their prompt tokens
@@ -74,7 +75,8 @@ def engine_options(config: GenerateWorkerConfig) -> dict:
     if config.engine == "synthetic":  # the tiny model's vocabulary, so its tokenizer derenders it
         return {"synthetic": dict(step_s=config.synthetic_step_s, max_batch=config.max_batch,
                                   vocab_size=_vocab_size(config.model or str(default_model_dir("spm"))),
-                                  max_model_len=config.max_model_len or 2048, max_logprobs=config.max_logprobs)}
+                                  max_model_len=config.max_model_len or 2048, max_logprobs=config.max_logprobs,
+                                  tokens=config.synthetic_tokens)}
 
     return dict(model_dir=config.model or str(default_model_dir("spm")), device=config.device,
                 dtype=config.dtype, max_batch=config.max_batch, max_model_len=config.max_model_len,

@@ -6,7 +6,8 @@ real worker, Kafka and derender path while the "model" costs nothing but a fixed
 time. Each step takes `step_s` (measured from the step's start) and gives every running
 request its next token, up to `max_batch` requests at once (the rest wait in order).
 Tokens are a deterministic function of (request id, position), never a special id, so a
-benchmark can check every answer; logprobs, when asked, have the wire shape with made-up
+benchmark can check every answer (or, with `tokens="prompt"`, the request's prompt ids
+over and over: a benchmark's own text, ASCII or CJK, through the derender); logprobs, when asked, have the wire shape with made-up
 values. A request ends with "length" at `max_tokens` (or the context), with "stop" on one
 of its `stop_token_ids` once `min_tokens` are out, or with "abort" (cancel, deadline).
 Same interface as `Engine` (add/abort from any thread; has_work/step from one).
@@ -27,6 +28,9 @@ from workers.generate.logprob_entries import RowLogprobs
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
 
+# How output tokens are chosen: "hash" (synthetic_token) or "prompt" (the prompt's ids,
+# repeated: whatever text the benchmark chose, special ids included if it sent any).
+TOKEN_RULES = ("hash", "prompt")
 FIRST_ORDINARY_ID = 3  # the tiny vocabularies' specials are 0..2 (spm) or the last id (byte-level)
 
 
@@ -55,8 +59,11 @@ class _Running:
 
 class SyntheticEngine:
     def __init__(self, *, step_s: float = 0.002, max_batch: int = 256, vocab_size: int = 2000,
-                 max_model_len: int = 2048, max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+                 max_model_len: int = 2048, max_logprobs: int = DEFAULT_MAX_LOGPROBS, tokens: str = "hash"):
+        if tokens not in TOKEN_RULES:
+            raise ValueError(f"tokens must be one of {', '.join(TOKEN_RULES)}, got {tokens!r}")
         self.step_s = step_s
+        self.tokens = tokens
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -112,7 +119,11 @@ class SyntheticEngine:
                 outputs.append(out)
                 self._finish(rid)
                 continue
-            token = synthetic_token(rid, state.produced, self.vocab_size)
+            if self.tokens == "prompt":
+                prompt = state.request.prompt_token_ids
+                token = prompt[state.produced % len(prompt)]
+            else:
+                token = synthetic_token(rid, state.produced, self.vocab_size)
             state.produced += 1
             finish, stop_id = None, None
             if state.produced >= state.max_output:
