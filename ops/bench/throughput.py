@@ -110,6 +110,10 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     return procs
 
 
+class LoadFailed(Exception):
+    """Requests of a load ended with error results: its figures would not be throughput."""
+
+
 def text_prompts(text: str, count: int, tokens: int) -> list[list[int]]:
     """`count` distinct prompts of ~`tokens` ids of the tiny spm tokenizer (the derender's
     default), from ops/bench/derender.py's workload texts, each ending on a whole character."""
@@ -161,6 +165,7 @@ async def run_load(settings: KafkaSettings, args, k: int) -> dict:
     results = result_bytes = 0
     latencies = []
     done: set[str] = set()
+    failed: list[str] = []
     async for records in batches(consumer):
         now_ns = time.time_ns()
         for record in records:
@@ -169,6 +174,8 @@ async def run_load(settings: KafkaSettings, args, k: int) -> dict:
             latencies.append(max(0.0, (now_ns - record.timestamp * 1_000_000) / 1e9))
             if HEADER_FINAL in dict(record.headers or ()):
                 done.add(record.key.decode())
+                if record.value.startswith(b'{"error"'):  # an error result: not throughput
+                    failed.append(record.value[:300].decode("utf-8", "replace"))
         if wanted <= done:
             break
         if time.perf_counter() - started > 600:
@@ -176,6 +183,8 @@ async def run_load(settings: KafkaSettings, args, k: int) -> dict:
     elapsed = time.perf_counter() - started
     await producer.stop()
     await consumer.stop()
+    if failed:
+        raise LoadFailed(f"{len(failed)} of {len(wanted)} requests ended with an error, e.g. {failed[0]}")
     latencies.sort()
     return {"elapsed": elapsed, "tokens": args.requests * args.max_tokens, "results": results,
             "result_bytes": result_bytes, "p50": latencies[len(latencies) // 2],
@@ -257,10 +266,14 @@ def main() -> None:
         for kind in kinds:
             for k in args.k:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
-                if reference is not None:
-                    before = measure(load, k, log_dir, reference)
-                    print_row(f"{args.reference[:9]}", k, load, before, offered)
-                row = measure(load, k, log_dir, None)
+                try:
+                    if reference is not None:
+                        before = measure(load, k, log_dir, reference)
+                        print_row(f"{args.reference[:9]}", k, load, before, offered)
+                    row = measure(load, k, log_dir, None)
+                except LoadFailed as exc:  # e.g. completions' logprobs=20 (21 candidates) over --max-logprobs
+                    print(f"{'':<9} {kind:<10} {text:<9} {k:>3} not measured: {exc}")
+                    continue
                 print_row("this", k, load, row, offered)
                 if reference is not None:
                     print("    CPU per token, reference / this: " + ", ".join(
