@@ -1,7 +1,13 @@
 """When a request's pending tokens are published (workers/generate/chunks.py ChunkPolicy): pure.
 
 `due_at` answers on the monotonic clock; a due time at or before now means "publish now".
+`due` is what the handler asks at every step (the same rule over many requests at once).
 """
+
+from types import SimpleNamespace
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from workers.generate.chunks import ChunkPolicy
 
@@ -63,3 +69,33 @@ def test_no_rate_aim_publishes_every_step_as_before():
     policy = ChunkPolicy(max_records_per_s=0)
     assert policy.interval(running=10_000) == 0.0
     assert policy.due_at(1, 4.0, last_chunk_at=3.999, lagging=False, interval_s=policy.interval(256)) == 4.0
+
+
+times = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+
+
+@given(policy=st.builds(ChunkPolicy, max_tokens=st.integers(1, 20), max_delay_s=st.floats(0.0, 0.1),
+                        max_records_per_s=st.sampled_from([0.0, 100.0, 10_000.0])),
+       requests=st.lists(st.tuples(st.integers(0, 25), times, st.one_of(st.just(NEVER_PUBLISHED), times),
+                                   st.booleans()), max_size=20),
+       lagging=st.booleans(), after=st.floats(0.0, 0.2))
+def test_due_picks_exactly_the_requests_due_at_says_are_due(policy, requests, lagging, after):
+    """The handler's per-step question, asked of many requests at once, agrees with the rule
+    (`due_at(...) <= now`) for every request: open or closed, with or without pending
+    tokens, before and after its first chunk, lagging or not."""
+    states = [SimpleNamespace(pending_ids=[7] * pending, pending_since=since, last_chunk_at=last, closed=closed)
+              for pending, since, last, closed in requests]
+    now = max([s.pending_since for s in states], default=0.0) + after  # pending tokens were sampled by now
+    interval = policy.interval(running=len(states))
+    expected = [s for s in states if s.pending_ids and not s.closed and policy.due_at(
+        len(s.pending_ids), s.pending_since, s.last_chunk_at, lagging, interval) <= now]
+    assert policy.due(states, now, lagging, interval) == expected
+
+
+def test_a_request_due_exactly_now_leaves_now():
+    policy = ChunkPolicy(max_records_per_s=10_000, max_delay_s=0.25, max_tokens=16)
+    state = SimpleNamespace(pending_ids=[1, 2], pending_since=0.375, last_chunk_at=0.25, closed=False)
+    assert policy.due([state], 0.625, lagging=True, interval_s=0.25) == [state]  # the delay cap, to the tick
+    assert policy.due([state], 0.6249, lagging=True, interval_s=0.25) == []
+    assert policy.due([state], 0.5, lagging=False, interval_s=0.25) == [state]  # the interval, to the tick
+    assert policy.due([state], 0.4999, lagging=False, interval_s=0.25) == []

@@ -120,6 +120,9 @@ class HoldUntilFinal(ChunkPolicy):
                interval_s: float) -> float:
         return float("inf")
 
+    def due(self, states, now: float, lagging: bool, interval_s: float) -> list:
+        return []
+
 
 async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_settings, make_topics, engine):
     """The rate aim spaces a request's chunks from its previous chunk, so its first token

@@ -217,13 +217,7 @@ class GenerateHandler(Handler):
             now = time.monotonic()
             interval = self.policy.interval(len(self.inflight))
             lagging = self.publisher.in_flight >= self.policy.lag_threshold
-            due_at = self.policy.due_at  # tokens held here leave at a later step or loop turn
-            for state in list(self.inflight.values()):
-                if state.closed or not state.pending_ids:
-                    continue
-                due = due_at(len(state.pending_ids), state.pending_since, state.last_chunk_at, lagging, interval)
-                if due > now:
-                    continue
+            for state in self.policy.due(self.inflight.values(), now, lagging, interval):
                 state.last_chunk_at = now
                 taken = self._take_records(state)
                 records.extend(taken)  # the last one is final if the request just failed
