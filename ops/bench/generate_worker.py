@@ -8,8 +8,9 @@ engine itself: the engine's steps as its child sends them on the pipe (msgpack b
 in every step) are decoded as the reader thread does and handed to the real
 `GenerateHandler.on_outputs`, which turns them into chunk records (the chunk policy,
 `GenerateChunk` structs, msgpack encoding, record size check, headers, metrics) and
-publishes them as producer batches to a publisher that takes each record as aiokafka's
-batch append would and acknowledges it at once. The requests come first, through the real
+publishes them through the real `Publisher.publish_batch` into aiokafka's own
+`BatchBuilder`s, which a stand-in producer acknowledges at once (no network, no sender
+task). The requests come first, through the real
 `handle` (decode, validation, admission, offsets). Chunks hold exactly --chunk-tokens
 tokens (the publisher reports a lagging producer, so the policy coalesces to its token
 cap: independent of timing, so both sides publish the same chunks).
@@ -31,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Publisher, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 # --- a child: one side, its runs timed ----------------------------------------------------
@@ -55,6 +56,36 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         pass
+
+
+class Producer:
+    """What `Publisher` uses of an AIOKafkaProducer, with aiokafka's own batch builder: a
+    sent batch is acknowledged at once and its records (topic, key, value, headers) kept."""
+
+    def __init__(self, sink: list):
+        from types import SimpleNamespace
+
+        from aiokafka.producer.message_accumulator import BatchBuilder
+
+        class Batch(BatchBuilder):
+            def __init__(self):
+                super().__init__(256 * 1024, 0, is_transactional=0)  # the workers' max_batch_size
+                self.kept = []
+
+            def append(self, *, timestamp, key, value, headers=()):
+                appended = super().append(timestamp=timestamp, key=key, value=value, headers=headers)
+                if appended is not None:
+                    self.kept.append((key, value, headers))
+                return appended
+
+        self.sink, self.create_batch = sink, Batch
+        self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: set(range(8))))
+
+    async def send_batch(self, batch, topic: str, partition: int):
+        self.sink.extend((topic, key, value, headers) for key, value, headers in batch.kept)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
 
 
 def build(k: int, requests: int, tokens: int):
@@ -89,7 +120,11 @@ async def run_side(messages, steps, chunk_tokens: int):
     sink: list = []
     offsets = PartitionOffsets()
     policy = ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1)
-    handler = GenerateHandler(KafkaSettings(topic_prefix="b"), Publisher(sink, in_flight=10**9), offsets,
+    from workers.kafka.publisher import Publisher
+
+    publisher = Publisher(Producer(sink), "b.dlq")
+    publisher.in_flight = 10**12  # a lagging producer, whatever is acknowledged: see above
+    handler = GenerateHandler(KafkaSettings(topic_prefix="b"), publisher, offsets,
                               Engine(), max_running=len(messages), policy=policy)
     msgs = [Message(*m) for m in messages]
     decode = engine_process._decode_from_child
