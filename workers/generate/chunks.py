@@ -161,28 +161,29 @@ class ChunkBuilder:
                 return records, None
 
     def _chunk(self, state: InFlight, count: int, final: Final | None) -> GenerateChunk:
-        """The first `count` pending tokens as the request's next chunk (state unchanged)."""
+        """The first `count` pending tokens as the request's next chunk (state unchanged).
+        Built with the fields every chunk has; the final and seq-0 ones are set only on
+        the chunks that carry them (17 keyword arguments cost ~2.3 µs a chunk, 6 ~0.5)."""
         request = state.request
         token_ids = state.pending_ids[:count]
-        first = state.seq == 0
-        return GenerateChunk(
+        chunk = GenerateChunk(
             request_id=request.request_id, attempt=state.attempt, seq=state.seq,
             token_offset=state.token_offset, token_ids=token_ids,
-            logprobs=(GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
-                      if request.sampling.logprobs is not None and token_ids else None),
-            finish_reason=final.finish_reason if final else None,
-            stop_token_id=final.stop_token_id if final else None,
-            error=final.error if final else None,
-            sampled_at_ns=state.sampled_at_ns or time.time_ns(),
-            # seq 0 only: the prompt's facts and the options derender needs
-            prompt_token_count=len(request.prompt_token_ids) if first else None,
-            prompt_tail_ids=request.prompt_token_ids[-PROMPT_TAIL:] if first else None,
-            prompt_logprobs=state.prompt_logprobs if first else None,
-            output=request.output if first else None,
-            reply_topic=request.reply_topic if first else None,
-            request_offset=state.offset if first else None,
-            prompt_token_ids=request.prompt_token_ids if first and (
-                request.output.echo or request.output.prompt_logprobs is not msgspec.UNSET) else None)
+            sampled_at_ns=state.sampled_at_ns or time.time_ns())
+        if request.sampling.logprobs is not None and token_ids:
+            chunk.logprobs = GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
+        if final is not None:
+            chunk.finish_reason, chunk.stop_token_id, chunk.error = final.finish_reason, final.stop_token_id, final.error
+        if state.seq == 0:  # the prompt's facts and the options derender needs
+            chunk.prompt_token_count = len(request.prompt_token_ids)
+            chunk.prompt_tail_ids = request.prompt_token_ids[-PROMPT_TAIL:]
+            chunk.prompt_logprobs = state.prompt_logprobs
+            chunk.output = request.output
+            chunk.reply_topic = request.reply_topic
+            chunk.request_offset = state.offset
+            if request.output.echo or request.output.prompt_logprobs is not msgspec.UNSET:
+                chunk.prompt_token_ids = request.prompt_token_ids
+        return chunk
 
     def _advance(self, state: InFlight, count: int) -> None:
         """The chunk of the first `count` pending tokens is taken: number the next one."""
