@@ -7,7 +7,6 @@ record it reads is decoded by its content-type (sniffed when absent, for kcat us
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import MSGPACK, Headers, decode_record, encode, headers_for
@@ -16,20 +15,29 @@ from schemas.headers import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PAR
 
 
 
-@dataclass(slots=True)
 class Outgoing:
     """One record to publish: the value is a schemas Struct, encoded (with its headers)
     once, when first needed: sizing it for the record limit, or sending it. Build a new
-    Outgoing rather than change one."""
+    Outgoing rather than change one. A plain slotted class: the generate worker makes one
+    per chunk, and a dataclass's generated __init__ (a dict per record for `headers`)
+    cost ~1.1 µs where this costs ~0.5."""
 
-    topic: str
-    key: str
-    value: Any
-    content_type: str = MSGPACK
-    headers: dict[str, str] = field(default_factory=dict)  # genpipe-* headers beyond content-type and schema
-    partition: int | None = None  # None: the producer's key hashing decides
-    _encoded: bytes | None = field(default=None, init=False, repr=False, compare=False)
-    _headers: Headers | None = field(default=None, init=False, repr=False, compare=False)
+    __slots__ = ("topic", "key", "value", "content_type", "headers", "partition", "_encoded", "_headers")
+
+    def __init__(self, topic: str, key: str, value: Any, content_type: str = MSGPACK,
+                 headers: dict[str, str] | None = None, partition: int | None = None):
+        self.topic = topic
+        self.key = key
+        self.value = value
+        self.content_type = content_type
+        self.headers = headers  # genpipe-* headers beyond content-type and schema (None: none)
+        self.partition = partition  # None: the producer's key hashing decides
+        self._encoded: bytes | None = None
+        self._headers: Headers | None = None
+
+    def __repr__(self) -> str:
+        return (f"Outgoing(topic={self.topic!r}, key={self.key!r}, value={self.value!r}, "
+                f"content_type={self.content_type!r}, headers={self.headers!r}, partition={self.partition!r})")
 
     def kafka_headers(self) -> Headers:
         if self._headers is None:
