@@ -85,6 +85,15 @@ def position(sampled: int, pool: list[int], k: int, rng: random.Random) -> Gener
                                    top_logprobs=entries[:n])
 
 
+def workload_ids(tables: VocabTables, kind: str, rng: random.Random, tokens: int) -> list[int]:
+    """About `tokens` ids of a `workload_text`, ending on a whole character (so both sides
+    of a comparison decode them alike, and a text repeated does not split a character)."""
+    ids = tables.tokenizer.encode(workload_text(kind, rng, tokens * 3), add_special_tokens=False).ids[:tokens]
+    while len(ids) > 1 and tables.dirty[ids[-1]]:
+        ids.pop()
+    return ids
+
+
 def make_chunks(tables: VocabTables, kind: str, k: int, requests: int, tokens: int, chunk_tokens: int,
                 seed: int = 0) -> list[GenerateChunk]:
     """`requests` streamed chat requests of `tokens` tokens, interleaved round-robin."""
@@ -92,9 +101,7 @@ def make_chunks(tables: VocabTables, kind: str, k: int, requests: int, tokens: i
     tok = tables.tokenizer
     per_request = []
     for r in range(requests):
-        ids = tok.encode(workload_text(kind, rng, tokens * 3), add_special_tokens=False).ids[:tokens]
-        while tables.dirty[ids[-1]]:  # end on a whole character: both sides then agree exactly
-            ids.pop()
+        ids = workload_ids(tables, kind, rng, tokens)
         pool = sorted(set(ids))
         tail = tok.encode("[user]: hi\n[assistant]:", add_special_tokens=False).ids[-8:]
         chunks = []

@@ -120,19 +120,13 @@ def text_prompts(text: str, count: int, tokens: int) -> list[list[int]]:
     import random
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from derender import workload_text  # noqa: E402  (this directory's ops/bench/derender.py)
+    from derender import workload_ids  # noqa: E402  (this directory's ops/bench/derender.py)
 
     from workers.derender.vocab import VocabTables
     from workers.models.tinymodel import build_tokenizer
 
-    tables = VocabTables(build_tokenizer("spm"))
-    rng, prompts = random.Random(0), []
-    for _ in range(count):
-        ids = tables.tokenizer.encode(workload_text(text, rng, tokens * 3), add_special_tokens=False).ids[:tokens]
-        while len(ids) > 1 and tables.dirty[ids[-1]]:
-            ids.pop()
-        prompts.append(ids)
-    return prompts
+    tables, rng = VocabTables(build_tokenizer("spm")), random.Random(0)
+    return [workload_ids(tables, text, rng, tokens) for _ in range(count)]
 
 
 def make_requests(args, k: int, count: int) -> list:
@@ -260,10 +254,9 @@ def main() -> None:
           f"{'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
     reference = worktree(args.reference) if args.reference else None
-    kinds, texts = args.kind, args.text
-    for text in texts:
+    for text in args.text:
         prompts = None if text == "synthetic" else text_prompts(text, 64, args.max_tokens)
-        for kind in kinds:
+        for kind in args.kind:
             for k in args.k:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
                 try:
