@@ -7,6 +7,7 @@ never touches the event loop or the engine thread.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -51,6 +52,47 @@ def series(metric, *labels: str):
     """`metric.labels(*labels)`, looked up once. `labels()` validates and takes a lock on
     every call; per token and chunk it was ~5% of a generate worker's loop (py-spy)."""
     return metric.labels(*labels)
+
+
+class HistogramBatch:
+    """Observations of one histogram series, counted here and added to it once a loop
+    turn (`flush`): the exposition is the same as observing each one (tests/test_metrics.py
+    holds it to that). Histogram.observe takes two locks and walks the buckets: once per
+    chunk it was ~6% of the derender's CPU per record (BENCHMARKS.md, "Derender CPU per
+    record"). Reads prometheus_client's bucket bounds and values; where a release lacks
+    them, each observation is passed to `observe` at flush instead."""
+
+    def __init__(self, histogram_series):
+        self.series = histogram_series
+        self.bounds = list(getattr(histogram_series, "_upper_bounds", ()))
+        direct = not (self.bounds and hasattr(histogram_series, "_buckets") and hasattr(histogram_series, "_sum"))
+        self.amounts: list[float] | None = [] if direct else None
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        if self.amounts is not None:
+            self.amounts.append(amount)
+            return
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # the first bound >= amount, as observe
+        self.total += amount
+
+    def flush(self) -> None:
+        if self.amounts is not None:
+            amounts, self.amounts = self.amounts, []
+            for amount in amounts:
+                self.series.observe(amount)
+            return
+        counts = self.counts
+        if not any(counts):
+            return
+        buckets = self.series._buckets
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+                counts[i] = 0
+        self.series._sum.inc(self.total)
+        self.total = 0.0
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
