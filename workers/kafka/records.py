@@ -30,7 +30,7 @@ class Outgoing:
         self.key = key
         self.value = value
         self.content_type = content_type
-        self.headers = headers  # genpipe-* headers beyond content-type and schema (None: none)
+        self.headers = headers  # genpipe-* headers beyond content-type and schema, as text (None: none)
         self.partition = partition  # None: the producer's key hashing decides
         self._encoded: bytes | None = None
         self._headers: Headers | None = None
@@ -40,10 +40,13 @@ class Outgoing:
                 f"content_type={self.content_type!r}, headers={self.headers!r}, partition={self.partition!r})")
 
     def kafka_headers(self) -> Headers:
-        if self._headers is None:
-            extra = [(name, str(value).encode()) for name, value in self.headers.items()] if self.headers else ()
-            self._headers = headers_for(self.value, self.content_type, extra)
-        return self._headers
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = headers_for(self.value, self.content_type)
+            if self.headers:  # text values (no str() each: a derender result has two or three)
+                for name, value in self.headers.items():
+                    headers.append((name, value.encode()))
+        return headers
 
     def kafka_value(self) -> bytes:
         if self._encoded is None:
