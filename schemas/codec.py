@@ -72,9 +72,21 @@ def sniff_content_type(data: bytes) -> str:
     return JSON if stripped[:1] == b"{" else MSGPACK
 
 
+# The content-type header values genpipe writes, as read from a record: every record read
+# (a request, a chunk) asks for its codec, and these skip parsing the value.
+_WRITTEN_TYPES = {MSGPACK.encode(): MSGPACK, JSON.encode(): JSON}
+
+
 def content_type_of(data: bytes, headers: Iterable[tuple[str, bytes]] | None) -> str:
     """The record's codec: its content-type header, or sniffed when there is none."""
-    declared = header_value(headers, HEADER_CONTENT_TYPE)
+    raw = None
+    for key, value in headers or ():
+        if key == HEADER_CONTENT_TYPE:
+            raw = value  # (the last one wins, as header_value)
+    written = _WRITTEN_TYPES.get(raw) if raw is not None else None
+    if written is not None:
+        return written
+    declared = raw.decode("utf-8", "replace") if raw is not None else None
     if declared is None or declared.strip() == "":
         return sniff_content_type(data)
     # Accept parameters such as "application/json; charset=utf-8".
