@@ -12,7 +12,7 @@ mean sizes; how old a result record is when read here (its timestamp -> read), p
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
-        [--kind completion chat] [--text synthetic ascii cjk] [--reference REV]
+        [--kind completion chat] [--text synthetic ascii cjk] [--each-alone] [--reference REV]
 
 Workloads, one run each for every combination given: --k logprobs per position
 (completions: `logprobs=k`; chat: `logprobs=true, top_logprobs=k`), --kind of result
@@ -21,6 +21,15 @@ ids of the tiny vocabulary, whose text is mostly fragments and U+FFFD), `ascii` 
 (ops/bench/derender.py's texts: English, code and numbers; CJK and emoji, byte pieces
 that the derender corrects), sent as the prompts of a generate worker run with
 `--synthetic-tokens prompt`, so the output is that text over and over.
+
+--each-alone measures each stage at its own saturation (the issue's "this 2-core machine
+cannot run the full rate at once"): the derender worker is stopped (SIGSTOP, well inside
+its 30 s session) while the generate worker turns every request into chunks, read here
+until each request's final one; then it is continued (SIGCONT) and turns that backlog into
+results. Two rows per load: `generate` (tokens/s from the first request sent to the last
+final chunk read, its ratio to the engine alone: goal (a); how old a chunk is when read
+here, from its `sampled_at_ns`) and `derender` (tokens/s from SIGCONT to the last final
+result, its CPU per token alone with the broker: goal (b)).
 
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
 same load right before each contender run, and prints the ratio of each stage's CPU per
@@ -40,6 +49,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -138,16 +149,76 @@ def make_requests(args, k: int, count: int) -> list:
             for i in range(count)]
 
 
-async def run_load(settings: KafkaSettings, args, k: int) -> dict:
-    """Send every request at once; read results until each has its final one."""
-    from schemas import encode, headers_for
-    from schemas.headers import HEADER_FINAL
-    from workers.kafka.clients import make_consumer, make_producer
-    from workers.kafka.follow import assign_all, batches
+class _ChunkEnd(msgspec.Struct):
+    """What the reader needs of a chunk record (a partial decode: the rest is skipped)."""
+    request_id: str
+    sampled_at_ns: int = 0
+    finish_reason: str | None = None
+    error: dict | None = None
 
-    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
-    await consumer.start()
-    await assign_all(consumer, settings.topic("results"), None)
+
+async def read_to_finals(consumer, wanted: set[str], what: str, read) -> tuple[float, list[float], int, int]:
+    """Read until every request in `wanted` has its final record; `read(record)` says
+    (request id if final else None, age in seconds, whether the final is an error).
+    Returns when the last final was read (perf_counter), the ages, records and bytes."""
+    from workers.kafka.follow import batches
+
+    started, count, size = time.perf_counter(), 0, 0
+    ages: list[float] = []
+    done: set[str] = set()
+    failed: list[str] = []
+    async for records in batches(consumer):
+        for record in records:
+            count += 1
+            size += len(record.value)
+            final, age, error = read(record)
+            ages.append(age)
+            if final is not None:
+                done.add(final)
+                if error:  # an error result: not throughput
+                    failed.append(record.value[:300].decode("utf-8", "replace"))
+        if wanted <= done:
+            break
+        if time.perf_counter() - started > 600:
+            raise RuntimeError(f"only {len(done)} of {len(wanted)} requests had their final {what} in 600 s")
+    if failed:
+        raise LoadFailed(f"{len(failed)} of {len(wanted)} requests ended with an error, e.g. {failed[0]}")
+    ages.sort()
+    return time.perf_counter(), ages, count, size
+
+
+def read_result(record) -> tuple[str | None, float, bool]:
+    from schemas.headers import HEADER_FINAL
+
+    age = max(0.0, (time.time_ns() - record.timestamp * 1_000_000) / 1e9)
+    if HEADER_FINAL in dict(record.headers or ()):
+        return record.key.decode(), age, record.value.startswith(b'{"error"')
+    return None, age, False
+
+
+_chunk_end = msgspec.msgpack.Decoder(_ChunkEnd)
+
+
+def read_chunk(record) -> tuple[str | None, float, bool]:
+    chunk = _chunk_end.decode(record.value)
+    age = max(0.0, (time.time_ns() - chunk.sampled_at_ns) / 1e9)
+    final = chunk.finish_reason is not None
+    return (chunk.request_id if final else None), age, final and chunk.finish_reason == "error"
+
+
+async def run_load(settings: KafkaSettings, args, k: int, between=None) -> dict:
+    """Send every request at once; read results until each has its final one. With
+    `between` (--each-alone), read the chunks until each request's final one first, then
+    call `between()` (which continues the stopped derender) and read the results."""
+    from schemas import encode, headers_for
+    from workers.kafka.clients import make_consumer, make_producer
+    from workers.kafka.follow import assign_all
+
+    readers = {}
+    for topic in ("chunks", "results") if between is not None else ("results",):
+        readers[topic] = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+        await readers[topic].start()
+        await assign_all(readers[topic], settings.topic(topic), None)
     producer = make_producer(settings)
     await producer.start()
     requests = make_requests(args, k, args.requests)
@@ -156,33 +227,23 @@ async def run_load(settings: KafkaSettings, args, k: int) -> dict:
     for r in requests:
         await producer.send(settings.topic("requests"), encode(r), key=r.request_id.encode(), headers=headers_for(r))
     await producer.flush()
-    results = result_bytes = 0
-    latencies = []
-    done: set[str] = set()
-    failed: list[str] = []
-    async for records in batches(consumer):
-        now_ns = time.time_ns()
-        for record in records:
-            results += 1
-            result_bytes += len(record.value)
-            latencies.append(max(0.0, (now_ns - record.timestamp * 1_000_000) / 1e9))
-            if HEADER_FINAL in dict(record.headers or ()):
-                done.add(record.key.decode())
-                if record.value.startswith(b'{"error"'):  # an error result: not throughput
-                    failed.append(record.value[:300].decode("utf-8", "replace"))
-        if wanted <= done:
-            break
-        if time.perf_counter() - started > 600:
-            raise RuntimeError(f"only {len(done)} of {len(wanted)} requests finished in 600 s")
-    elapsed = time.perf_counter() - started
-    await producer.stop()
-    await consumer.stop()
-    if failed:
-        raise LoadFailed(f"{len(failed)} of {len(wanted)} requests ended with an error, e.g. {failed[0]}")
-    latencies.sort()
-    return {"elapsed": elapsed, "tokens": args.requests * args.max_tokens, "results": results,
-            "result_bytes": result_bytes, "p50": latencies[len(latencies) // 2],
-            "p99": latencies[int(len(latencies) * 0.99)]}
+    out = {"tokens": args.requests * args.max_tokens}
+    try:
+        if between is not None:
+            chunks_done, ages, out["chunks_read"], _ = await read_to_finals(readers["chunks"], wanted, "chunk",
+                                                                           read_chunk)
+            out.update(gen_elapsed=chunks_done - started, chunk_p50=ages[len(ages) // 2],
+                       chunk_p99=ages[int(len(ages) * 0.99)])
+            between()
+            started = time.perf_counter()
+        done, ages, out["results"], out["result_bytes"] = await read_to_finals(readers["results"], wanted, "result",
+                                                                              read_result)
+    finally:
+        await producer.stop()
+        for reader in readers.values():
+            await reader.stop()
+    out.update(elapsed=done - started, p50=ages[len(ages) // 2], p99=ages[int(len(ages) * 0.99)])
+    return out
 
 
 async def chunk_stats(settings: KafkaSettings) -> tuple[int, int]:
@@ -208,12 +269,22 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
+        between = None
+        if args.each_alone:
+            os.kill(pids["der"], signal.SIGSTOP)
+
+            def between():  # the generate stage is over: its CPU, then the derender's turn
+                after.update((name, cpu_seconds(pids[name])) for name in ("gen", "engine"))
+                before["der"] = cpu_seconds(pids["der"])
+                os.kill(pids["der"], signal.SIGCONT)
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        run = asyncio.run(run_load(settings, args, k))
-        after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        after: dict[str, float] = {}
+        run = asyncio.run(run_load(settings, args, k, between))
+        after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
         for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGCONT)  # (a stopped process would not see the TERM)
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs.values():
             proc.wait(60)
@@ -224,6 +295,17 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
     per, rate = row["per"], row["rate"]
+    if args.each_alone:
+        gen_rate = row["tokens"] / row["gen_elapsed"]
+        print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {'generate':>9} "
+              f"{gen_rate:>9,.0f} {gen_rate / offered:>6.2f} {per['gen']:>10.1f} {per['engine']:>13.1f} "
+              f"{'':>15} {row['chunks']:>8} {row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {'':>8} {'':>8} "
+              f"{row['chunk_p50'] * 1000:>6.0f}ms {row['chunk_p99'] * 1000:>6.0f}ms")
+        print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {'derender':>9} "
+              f"{rate:>9,.0f} {'':>6} {'':>10} {'':>13} {per['der']:>15.1f} {'':>8} {'':>8} {row['results']:>8} "
+              f"{row['result_bytes'] / max(row['results'], 1):>8.0f} {row['p50'] * 1000:>6.0f}ms "
+              f"{row['p99'] * 1000:>6.0f}ms")
+        return
     print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
           f"{per['engine']:>13.1f} {per['der']:>15.1f} {row['chunks']:>8} "
           f"{row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {row['results']:>8} "
@@ -243,13 +325,16 @@ def main() -> None:
     parser.add_argument("--text", nargs="+", choices=("synthetic", "ascii", "cjk"), default=["synthetic"],
                         help="what the output says, one run each (default synthetic; see above)")
     parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--each-alone", action="store_true",
+                        help="each stage at its own saturation: generate first, then the derender (see above)")
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
     args = parser.parse_args()
 
     offered = engine_alone(args.step_ms, args.max_batch, args.requests, args.max_tokens)
     print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
           f"{args.requests} requests x {args.max_tokens} tokens)")
-    print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
+    stage = f" {'stage':>9}" if args.each_alone else ""
+    print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
           f"{'derender us/tok':>15} {'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} "
           f"{'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
