@@ -5,8 +5,11 @@ a fixed step time, up to --max-batch requests a step) and a derender worker, as
 processes, a real broker, and a reader of the results here. All requests are sent at
 once, so the engine runs full batches from the first step.
 Reference, in the same run: the same synthetic engine alone, in this process (its
-tokens/s is what the pipeline is offered). Printed: sustained tokens/s end to end and its
-ratio to the engine alone; CPU time per token of the generate worker, its engine child
+tokens/s is what the pipeline is offered). Printed: tokens/s end to end (every token over
+the whole run, from the first request sent to the last final result read) and its ratio to
+the engine alone; the same between the polls that read the first 10% and 90% of the
+results (`10-90%`: the rate once running, without the ramp-up while requests are still
+being sent, nor the tail); CPU time per token of the generate worker, its engine child
 and the derender (from /proc, over the whole run); chunk and result records and their
 mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99.
 
@@ -152,18 +155,30 @@ def make_requests(args, k: int, count: int) -> list:
 class _ChunkEnd(msgspec.Struct):
     """What the reader needs of a chunk record (a partial decode: the rest is skipped)."""
     request_id: str
+    token_ids: list[int]
     sampled_at_ns: int = 0
     finish_reason: str | None = None
     error: dict | None = None
 
 
-async def read_to_finals(consumer, wanted: set[str], what: str, read) -> tuple[float, list[float], int, int]:
+def sustained(progress: list[tuple[float, int]]) -> float:
+    """Units per second between the polls that read the first 10% and 90% of them: the
+    rate once running, without the ramp-up (requests still being sent) and the tail."""
+    total = progress[-1][1]
+    t10, u10 = next(p for p in progress if p[1] >= total * 0.1)
+    t90, u90 = next(p for p in progress if p[1] >= total * 0.9)
+    return (u90 - u10) / (t90 - t10) if t90 > t10 else float("nan")
+
+
+async def read_to_finals(consumer, wanted: set[str], what: str, read) -> tuple[float, list[float], int, int, float]:
     """Read until every request in `wanted` has its final record; `read(record)` says
-    (request id if final else None, age in seconds, whether the final is an error).
-    Returns when the last final was read (perf_counter), the ages, records and bytes."""
+    (request id if final else None, age in seconds, whether the final is an error, units:
+    a chunk's tokens, 1 for a result). Returns when the last final was read
+    (perf_counter), the ages, records, bytes and the sustained units per second."""
     from workers.kafka.follow import batches
 
-    started, count, size = time.perf_counter(), 0, 0
+    started, count, size, units = time.perf_counter(), 0, 0, 0
+    progress: list[tuple[float, int]] = []
     ages: list[float] = []
     done: set[str] = set()
     failed: list[str] = []
@@ -171,12 +186,14 @@ async def read_to_finals(consumer, wanted: set[str], what: str, read) -> tuple[f
         for record in records:
             count += 1
             size += len(record.value)
-            final, age, error = read(record)
+            final, age, error, n = read(record)
+            units += n
             ages.append(age)
             if final is not None:
                 done.add(final)
                 if error:  # an error result: not throughput
                     failed.append(record.value[:300].decode("utf-8", "replace"))
+        progress.append((time.perf_counter(), units))
         if wanted <= done:
             break
         if time.perf_counter() - started > 600:
@@ -184,26 +201,26 @@ async def read_to_finals(consumer, wanted: set[str], what: str, read) -> tuple[f
     if failed:
         raise LoadFailed(f"{len(failed)} of {len(wanted)} requests ended with an error, e.g. {failed[0]}")
     ages.sort()
-    return time.perf_counter(), ages, count, size
+    return time.perf_counter(), ages, count, size, sustained(progress)
 
 
-def read_result(record) -> tuple[str | None, float, bool]:
+def read_result(record) -> tuple[str | None, float, bool, int]:
     from schemas.headers import HEADER_FINAL
 
     age = max(0.0, (time.time_ns() - record.timestamp * 1_000_000) / 1e9)
     if HEADER_FINAL in dict(record.headers or ()):
-        return record.key.decode(), age, record.value.startswith(b'{"error"')
-    return None, age, False
+        return record.key.decode(), age, record.value.startswith(b'{"error"'), 1
+    return None, age, False, 1
 
 
 _chunk_end = msgspec.msgpack.Decoder(_ChunkEnd)
 
 
-def read_chunk(record) -> tuple[str | None, float, bool]:
+def read_chunk(record) -> tuple[str | None, float, bool, int]:
     chunk = _chunk_end.decode(record.value)
     age = max(0.0, (time.time_ns() - chunk.sampled_at_ns) / 1e9)
     final = chunk.finish_reason is not None
-    return (chunk.request_id if final else None), age, final and chunk.finish_reason == "error"
+    return (chunk.request_id if final else None), age, final and chunk.finish_reason == "error", len(chunk.token_ids)
 
 
 async def run_load(settings: KafkaSettings, args, k: int, between=None) -> dict:
@@ -230,14 +247,15 @@ async def run_load(settings: KafkaSettings, args, k: int, between=None) -> dict:
     out = {"tokens": args.requests * args.max_tokens}
     try:
         if between is not None:
-            chunks_done, ages, out["chunks_read"], _ = await read_to_finals(readers["chunks"], wanted, "chunk",
-                                                                           read_chunk)
+            chunks_done, ages, out["chunks_read"], _, out["gen_sustained"] = await read_to_finals(
+                readers["chunks"], wanted, "chunk", read_chunk)
             out.update(gen_elapsed=chunks_done - started, chunk_p50=ages[len(ages) // 2],
                        chunk_p99=ages[int(len(ages) * 0.99)])
             between()
             started = time.perf_counter()
-        done, ages, out["results"], out["result_bytes"] = await read_to_finals(readers["results"], wanted, "result",
-                                                                              read_result)
+        done, ages, out["results"], out["result_bytes"], per_s = await read_to_finals(
+            readers["results"], wanted, "result", read_result)
+        out["sustained"] = per_s * out["tokens"] / max(out["results"], 1)  # results/s as tokens/s
     finally:
         await producer.stop()
         for reader in readers.values():
@@ -294,22 +312,26 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
-    per, rate = row["per"], row["rate"]
+    """One row per load (two with --each-alone: the generate stage, then the derender's)."""
+    per = row["per"]
+    load = f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6}"
+    chunks = f"{row['chunks']:>8} {row['chunk_bytes'] / max(row['chunks'], 1):>8.0f}"
+    results = f"{row['results']:>8} {row['result_bytes'] / max(row['results'], 1):>8.0f}"
+    ages = f"{row['p50'] * 1000:>6.0f}ms {row['p99'] * 1000:>6.0f}ms"
+
+    def rates(whole: float, steady: float, ratio: bool = True) -> str:
+        return (f"{whole:>9,.0f} {(f'{whole / offered:.2f}' if ratio else ''):>6} {steady:>9,.0f} "
+                f"{(f'{steady / offered:.2f}' if ratio else ''):>6}")
+
     if args.each_alone:
-        gen_rate = row["tokens"] / row["gen_elapsed"]
-        print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {'generate':>9} "
-              f"{gen_rate:>9,.0f} {gen_rate / offered:>6.2f} {per['gen']:>10.1f} {per['engine']:>13.1f} "
-              f"{'':>15} {row['chunks']:>8} {row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {'':>8} {'':>8} "
+        print(f"{load} {'generate':>9} {rates(row['tokens'] / row['gen_elapsed'], row['gen_sustained'])} "
+              f"{per['gen']:>10.1f} {per['engine']:>13.1f} {'':>15} {chunks} {'':>17} "
               f"{row['chunk_p50'] * 1000:>6.0f}ms {row['chunk_p99'] * 1000:>6.0f}ms")
-        print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {'derender':>9} "
-              f"{rate:>9,.0f} {'':>6} {'':>10} {'':>13} {per['der']:>15.1f} {'':>8} {'':>8} {row['results']:>8} "
-              f"{row['result_bytes'] / max(row['results'], 1):>8.0f} {row['p50'] * 1000:>6.0f}ms "
-              f"{row['p99'] * 1000:>6.0f}ms")
+        print(f"{load} {'derender':>9} {rates(row['rate'], row['sustained'], ratio=False)} {'':>10} {'':>13} "
+              f"{per['der']:>15.1f} {'':>17} {results} {ages}")
         return
-    print(f"{code:<9} {args.kind:<10} {args.text:<9} {k:>3} {str(not args.no_stream):>6} {rate:>9,.0f} {rate / offered:>6.2f} {per['gen']:>10.1f} "
-          f"{per['engine']:>13.1f} {per['der']:>15.1f} {row['chunks']:>8} "
-          f"{row['chunk_bytes'] / max(row['chunks'], 1):>8.0f} {row['results']:>8} "
-          f"{row['result_bytes'] / max(row['results'], 1):>8.0f} {row['p50'] * 1000:>6.0f}ms {row['p99'] * 1000:>6.0f}ms")
+    print(f"{load} {rates(row['rate'], row['sustained'])} {per['gen']:>10.1f} {per['engine']:>13.1f} "
+          f"{per['der']:>15.1f} {chunks} {results} {ages}")
 
 
 def main() -> None:
@@ -334,9 +356,9 @@ def main() -> None:
     print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
           f"{args.requests} requests x {args.max_tokens} tokens)")
     stage = f" {'stage':>9}" if args.each_alone else ""
-    print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} "
-          f"{'derender us/tok':>15} {'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} "
-          f"{'age p50':>8} {'age p99':>8}")
+    print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
+          f"{'10-90%':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} {'derender us/tok':>15} "
+          f"{'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} {'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
     reference = worktree(args.reference) if args.reference else None
     for text in args.text:
