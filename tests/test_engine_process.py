@@ -98,3 +98,57 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
             engine.add(request("late", [1, 2, 3]))
     finally:
         engine.stop()
+
+
+def big_step(n: int, tokens: int = 2000):
+    from workers.generate.engine_process import Step
+    from workers.generate.outputs import RequestOutput
+
+    # ~10 KB each: a few fill the pipe's buffer, so the writes really wait on the reader
+    return Step([RequestOutput(request_id=f"r-{n}", token_ids=list(range(tokens)))], float(n))
+
+
+def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
+    import multiprocessing
+
+    from workers.generate.engine_process import Outbox, _decode_from_child
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=2)
+    received = []
+
+    def engine():
+        for n in range(30):
+            outbox.put(big_step(n))
+        outbox.close()
+
+    def worker():
+        received.extend(_decode_from_child(reader.recv_bytes()).step_s for _ in range(30))
+
+    sender, taker = threading.Thread(target=engine), threading.Thread(target=worker)
+    sender.start()  # puts wait on the full queue while nothing reads: the engine slows, nothing is dropped
+    taker.start()
+    sender.join(60)
+    taker.join(60)
+    assert not sender.is_alive() and not taker.is_alive()
+    assert received == [float(n) for n in range(30)]
+
+
+def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
+    import multiprocessing
+
+    from workers.generate.engine_process import Outbox
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=2)
+    reader.close()  # the worker exited: the next write breaks the pipe
+    done = threading.Event()
+
+    def engine():
+        for n in range(20):
+            outbox.put(big_step(n))
+        done.set()
+
+    threading.Thread(target=engine, daemon=True).start()
+    assert done.wait(30), "put() kept waiting for a worker that is gone"
+    outbox.close(timeout=5)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 from typing import Any
@@ -182,6 +183,49 @@ def make_engine(options: dict[str, Any]):
     return Engine(**options)
 
 
+class Outbox:
+    """The child's messages to the worker, sent by a thread of their own, so the engine
+    steps on while a step's outputs are encoded and written: a pipe holds 64 KB, a
+    batch-256 step at k=20 is ~72 KB, and the write waits for the worker's reader thread
+    (which waits for its process's GIL). A GPU engine overlaps that with its next step;
+    the synthetic one's 2 ms steps lost ~5% to it (BENCHMARKS.md, "Each stage alone").
+    At most `depth` messages wait: past that the engine waits too, as it did on the
+    pipe, so a worker that falls behind still slows the engine instead of growing
+    this queue."""
+
+    def __init__(self, conn, depth: int = 4):
+        self._conn = conn
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="genpipe-engine-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, message: Step | Failed) -> None:
+        while self._thread.is_alive():  # (gone once the worker is: nothing to send to)
+            try:
+                self._queue.put(message, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what waits, then stop the thread (at most `timeout` s: a worker that reads
+        nothing more is not waited for)."""
+        if not self._thread.is_alive():
+            return  # the worker is gone
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while (message := self._queue.get()) is not None:
+                self._conn.send_bytes(_encode(message))
+        except (OSError, ValueError):
+            pass  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
+
+
 def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
@@ -199,12 +243,13 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
         conn.send_bytes(_encode(Failed(f"{type(exc).__name__}: {exc}")))
         return
     conn.send_bytes(_encode(Ready(engine_limits(engine))))
+    outbox = Outbox(conn)
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
-            conn.send_bytes(_encode(Failed(f"{type(thread.failure).__name__}: {thread.failure}")))
+            outbox.put(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
         elif outputs:
-            conn.send_bytes(_encode(Step(outputs, step_s)))
+            outbox.put(Step(outputs, step_s))
 
     thread = EngineThread(engine, deliver, min_step_s=min_step_s)
     thread.start()
@@ -224,6 +269,7 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
         pass  # the worker is gone: so are we
     finally:
         thread.stop()
+        outbox.close()  # what the last steps made goes out before we exit
     # Skip the interpreter's teardown: its collections over every object torch and
     # transformers made kept a core busy for ~2 s after each stop (measured), and the
     # worker waits for us. Nothing is left to clean up: the engine thread has stopped,
