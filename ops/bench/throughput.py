@@ -4,8 +4,8 @@ Contender: a generate worker with the synthetic engine (`--engine synthetic`: no
 a fixed step time, up to --max-batch requests a step) and a derender worker, as
 processes, a real broker, and a reader of the results here. All requests are sent at
 once, so the engine runs full batches from the first step.
-Reference, in the same run: the same synthetic engine alone, in this process (its
-tokens/s is what the pipeline is offered). Printed: tokens/s end to end (every token over
+Reference, in the same run: the same synthetic engine alone on the same requests, in this
+process (its tokens/s is what the pipeline is offered). Printed: tokens/s end to end (every token over
 the whole run, from the first request sent to the last final result read) and its ratio to
 the engine alone; the same between the polls that read the first 10% and 90% of the
 results (`10-90%`: the rate once running, without the ramp-up while requests are still
@@ -80,15 +80,15 @@ def children(pid: int) -> list[int]:
     return [c for c in out if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-def engine_alone(step_ms: float, max_batch: int, requests: int, max_tokens: int) -> float:
-    """Tokens/s of the synthetic engine stepping alone (the offered rate)."""
-    from schemas import GenerateRequest, SamplingParams
+def engine_alone(args, k: int) -> float:
+    """Tokens/s of the synthetic engine stepping alone on the load's own requests (the
+    offered rate: its logprobs cost the engine too)."""
     from workers.generate.synthetic import SyntheticEngine
 
-    engine = SyntheticEngine(step_s=step_ms / 1000, max_batch=max_batch)
-    for i in range(requests):
-        engine.add(GenerateRequest(request_id=f"ref-{i}", prompt_token_ids=[1, 5, 6, 7],
-                                   sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    engine = SyntheticEngine(step_s=args.step_ms / 1000, max_batch=args.max_batch,
+                             tokens="prompt" if args.prompts is not None else "hash")
+    for request in make_requests(args, k, args.requests):
+        engine.add(request)
     start, produced = time.perf_counter(), 0
     while engine.has_work():
         produced += sum(len(o.token_ids) for o in engine.step())
@@ -352,9 +352,8 @@ def main() -> None:
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
     args = parser.parse_args()
 
-    offered = engine_alone(args.step_ms, args.max_batch, args.requests, args.max_tokens)
-    print(f"synthetic engine alone: {offered:,.0f} tok/s (step {args.step_ms:g} ms, batch {args.max_batch}, "
-          f"{args.requests} requests x {args.max_tokens} tokens)")
+    print(f"step {args.step_ms:g} ms, batch {args.max_batch}, {args.requests} requests x {args.max_tokens} tokens; "
+          f"ratios are to the synthetic engine alone on each load's requests (printed before its rows)")
     stage = f" {'stage':>9}" if args.each_alone else ""
     print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
           f"{'10-90%':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} {'derender us/tok':>15} "
@@ -366,6 +365,8 @@ def main() -> None:
         for kind in args.kind:
             for k in args.k:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
+                offered = engine_alone(load, k)
+                print(f"    engine alone: {offered:,.0f} tok/s")
                 try:
                     if reference is not None:
                         before = measure(load, k, log_dir, reference)
