@@ -155,8 +155,9 @@ class GenerateHandler(Handler):
 
     # --- chunks out -------------------------------------------------------------------
 
-    def on_outputs(self, outputs: list) -> None:
-        """Called on the event loop with one engine step's outputs."""
+    def on_outputs(self, outputs: list) -> asyncio.Task:
+        """Called on the event loop with one engine step's outputs; returns the publish
+        step it started (the engine's deliveries wait on those: workers/generate/service.py)."""
         now = time.monotonic()
         finals = []
         longest_gap = None
@@ -193,13 +194,14 @@ class GenerateHandler(Handler):
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
-        self._publish_soon(ended)
+        return self._publish_soon(ended)
 
-    def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> None:
+    def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> asyncio.Task:
         """_publish_step from code that cannot await (engine outputs, cancels)."""
         task = asyncio.ensure_future(self._publish_step(finals))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
+        return task
 
     async def _publish_step(self, finals: list[tuple[InFlight, Final]]) -> None:
         """Publish the final chunks of requests that ended, and every request's chunk that
