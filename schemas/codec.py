@@ -58,13 +58,19 @@ def headers_for(record: Any, content_type: str = MSGPACK, extra: Iterable[tuple[
     return headers
 
 
-def header_value(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
-    """The last value of header `name` as text (Kafka allows repeats; the last wins)."""
+def header_bytes(headers: Iterable[tuple[str, bytes]] | None, name: str) -> bytes | None:
+    """The last value of header `name` as sent (Kafka allows repeats; the last wins)."""
     value = None
     for key, raw in headers or ():
         if key == name:
-            value = raw.decode("utf-8", "replace") if raw is not None else None
+            value = raw
     return value
+
+
+def header_value(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
+    """The last value of header `name` as text."""
+    raw = header_bytes(headers, name)
+    return raw.decode("utf-8", "replace") if raw is not None else None
 
 
 def sniff_content_type(data: bytes) -> str:
@@ -79,10 +85,7 @@ _WRITTEN_TYPES = {MSGPACK.encode(): MSGPACK, JSON.encode(): JSON}
 
 def content_type_of(data: bytes, headers: Iterable[tuple[str, bytes]] | None) -> str:
     """The record's codec: its content-type header, or sniffed when there is none."""
-    raw = None
-    for key, value in headers or ():
-        if key == HEADER_CONTENT_TYPE:
-            raw = value  # (the last one wins, as header_value)
+    raw = header_bytes(headers, HEADER_CONTENT_TYPE)
     written = _WRITTEN_TYPES.get(raw) if raw is not None else None
     if written is not None:
         return written

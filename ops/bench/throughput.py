@@ -287,17 +287,17 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
-        between = None
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        after: dict[str, float] = {}  # --each-alone: generate's CPU, taken when its stage ends
+
+        def between():  # the generate stage is over: its CPU, then the derender's turn
+            after.update((name, cpu_seconds(pids[name])) for name in ("gen", "engine"))
+            before["der"] = cpu_seconds(pids["der"])
+            os.kill(pids["der"], signal.SIGCONT)
+
         if args.each_alone:
             os.kill(pids["der"], signal.SIGSTOP)
-
-            def between():  # the generate stage is over: its CPU, then the derender's turn
-                after.update((name, cpu_seconds(pids[name])) for name in ("gen", "engine"))
-                before["der"] = cpu_seconds(pids["der"])
-                os.kill(pids["der"], signal.SIGCONT)
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        after: dict[str, float] = {}
-        run = asyncio.run(run_load(settings, args, k, between))
+        run = asyncio.run(run_load(settings, args, k, between if args.each_alone else None))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
