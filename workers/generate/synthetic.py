@@ -8,8 +8,9 @@ request its next token, up to `max_batch` requests at once (the rest wait in ord
 Tokens are a deterministic function of (request id, position), never a special id, so a
 benchmark can check every answer (or, with `tokens="prompt"`, the request's prompt ids
 over and over: a benchmark's own text, ASCII or CJK, through the derender); logprobs,
-when asked, have the wire shape with made-up values. A request ends with "length" at `max_tokens` (or the context), with "stop" on one
-of its `stop_token_ids` once `min_tokens` are out, or with "abort" (cancel, deadline).
+when asked, have the wire shape with made-up values. A request ends with "length" at
+`max_tokens` (or the context), with "stop" on one of its `stop_token_ids` once
+`min_tokens` are out, or with "abort" (cancel, deadline).
 Same interface as `Engine` (add/abort from any thread; has_work/step from one).
 """
 
