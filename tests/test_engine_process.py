@@ -1,10 +1,13 @@
-"""The engine in a child process: same tokens as in-process, errors at add(), failures seen."""
+"""The engine in a child process: same tokens as in-process, errors at add(), failures
+seen; its steps read on an event loop, which stops reading while steps wait unpublished."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -14,8 +17,33 @@ from workers.generate.engine import Engine
 from workers.generate.engine_process import EngineProcess
 
 
+@pytest.fixture
+def loop():
+    """An event loop on a thread of its own, as the worker's: the steps are read on it."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def on_loop(loop, function, *args):
+    """function(*args) run on `loop`; its result."""
+    async def call():
+        return function(*args)
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(60)
+
+
+def started(engine, loop):
+    engine.start()
+    asyncio.run_coroutine_threadsafe(engine.read_steps(), loop).result(60)
+    return engine
+
+
 class Collector:
-    """deliver() target: gathers outputs per request; signals finals and failures."""
+    """The step sink: gathers outputs per request; signals finals and failures."""
 
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
@@ -43,7 +71,7 @@ def request(rid: str, prompt: list[int], **sampling) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(**sampling))
 
 
-def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir):
+def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir, loop):
     prompts = {"a": [1, 50, 60, 70], "b": [1, 300, 301], "c": [1, 9, 8, 7, 6, 5]}
     alone = Engine(str(tiny_model_dir), max_batch=4)
     for rid, prompt in prompts.items():
@@ -57,7 +85,7 @@ def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir
     # Paced (20 ms a step): "long" needs ~40 s to reach the context length, so the abort
     # lands while it runs even on a starved machine.
     engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=4), got, min_step_s=0.02)
-    engine.start()
+    started(engine, loop)
     try:
         assert engine.limits == {"max_logprobs": 20, "vocab_size": alone.vocab_size,
                                  "max_model_len": alone.max_model_len}
@@ -72,14 +100,14 @@ def test_engine_process_streams_the_same_tokens_and_stops_cleanly(tiny_model_dir
         got.wait(lambda: "long" in got.finals)
         child = engine._process
     finally:
-        engine.stop()
+        on_loop(loop, engine.stop)
     assert {rid: got.tokens[rid] for rid in prompts} == expected
     assert got.finals["long"] == "abort" and "bad" not in got.tokens
     assert not child.is_alive() and child.exitcode == 0
     assert engine.failure is None
 
 
-def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
+def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path, loop):
     # a model that cannot load: start() says why
     broken = EngineProcess(dict(model_dir=str(tmp_path / "no-such-model")), Collector())
     with pytest.raises(RuntimeError, match="engine process failed to start: .*no-such-model"):
@@ -88,7 +116,7 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
     # the child dying mid-flight: failure is set and deliver is told (the worker then exits)
     got = Collector()
     engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=2), got)
-    engine.start()
+    started(engine, loop)
     try:
         os.kill(engine._process.pid, signal.SIGKILL)
         got.wait(lambda: got.calls_after_failure == 1)
@@ -97,7 +125,7 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path):
         with pytest.raises(RuntimeError, match="engine process is gone"):
             engine.add(request("late", [1, 2, 3]))
     finally:
-        engine.stop()
+        on_loop(loop, engine.stop)
 
 
 def big_step(n: int, tokens: int = 2000):
@@ -111,7 +139,7 @@ def big_step(n: int, tokens: int = 2000):
 def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
     import multiprocessing
 
-    from workers.generate.engine_process import Outbox, _decode_from_child
+    from workers.generate.engine_process import Outbox, _decode_from_child, read_frame
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=2)
@@ -123,7 +151,7 @@ def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
         outbox.close()
 
     def worker():
-        received.extend(_decode_from_child(reader.recv_bytes()).step_s for _ in range(30))
+        received.extend(_decode_from_child(read_frame(reader)).step_s for _ in range(30))
 
     sender, taker = threading.Thread(target=engine), threading.Thread(target=worker)
     sender.start()  # puts wait on the full queue while nothing reads: the engine slows, nothing is dropped
@@ -152,3 +180,69 @@ def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
     threading.Thread(target=engine, daemon=True).start()
     assert done.wait(30), "put() kept waiting for a worker that is gone"
     outbox.close(timeout=5)
+
+
+class Sink:
+    """A step sink whose publish steps the test finishes by hand."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.steps: list[float] = []
+        self.publishes: list[asyncio.Future] = []
+
+    def __call__(self, outputs, step_s):
+        self.steps.append(step_s)
+        self.publishes.append(self.loop.create_future())
+        return self.publishes[-1]
+
+    def publish(self, count: int) -> None:
+        """Finish the first `count` unfinished publish steps."""
+        def finish():
+            for future in [f for f in self.publishes if not f.done()][:count]:
+                future.set_result(None)
+        self.loop.call_soon_threadsafe(finish)
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_reader_stops_reading_while_steps_wait_unpublished_and_loses_none(loop):
+    import multiprocessing
+    import types
+
+    from workers.generate.engine_process import Outbox, StepReader
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sink = Sink(loop)
+    engine = types.SimpleNamespace(max_steps_waiting=2, _step_sink=sink, _child_gone=lambda: None,
+                                   _fail=lambda exc: None)
+    transport, _ = asyncio.run_coroutine_threadsafe(
+        loop.connect_read_pipe(lambda: StepReader(engine), reader), loop).result(10)
+    outbox = Outbox(writer, depth=1)
+    written = []
+
+    def child():
+        for n in range(40):  # ~10 KB each: 400 KB, several times what a pipe holds
+            outbox.put(big_step(n))
+            written.append(n)
+        outbox.close()
+
+    stepping = threading.Thread(target=child, daemon=True)
+    stepping.start()
+    wait_until(lambda: len(sink.steps) == 2)
+    stepping.join(1.0)  # time enough to write everything, were nothing holding the child
+    assert stepping.is_alive() and len(written) < 40, "the child wrote on while nothing was published"
+    assert len(sink.steps) == 2, "steps were handed on past two unpublished ones"
+    sink.publish(1)  # one publish step done: one more step
+    wait_until(lambda: len(sink.steps) == 3)
+    while len(sink.steps) < 40:
+        sink.publish(40)
+        time.sleep(0.01)
+    stepping.join(10)
+    assert not stepping.is_alive()
+    assert sink.steps == [float(n) for n in range(40)]
+    on_loop(loop, transport.close)

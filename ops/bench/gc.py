@@ -1,7 +1,7 @@
 """What the workers' garbage-collector settings (workers/gc_tuning.py) buy on their hot
 path, side by side in one process run.
 
-The work: decoding batch-256 engine steps (the generate worker's reader thread, k
+The work: decoding batch-256 engine steps (as the generate worker reads them, k
 logprobs per token) whose outputs stay alive for a few steps, as they do until their
 chunk is published, in a process that holds `--heap` other GC-tracked objects (a worker
 after start-up holds ~33,000 from imports alone, more with in-flight state). Python's

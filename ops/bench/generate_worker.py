@@ -5,7 +5,7 @@
 Everything the worker's process does for a token except the broker round trips and the
 engine itself: the engine's steps as its child sends them on the pipe (msgpack bytes of
 `Step`, made once per side, before the timed runs: the synthetic engine, every request
-in every step) are decoded as the reader thread does and handed to the real
+in every step) are decoded as the worker's pipe reader does and handed to the real
 `GenerateHandler.on_outputs`, which turns them into chunk records (the chunk policy,
 `GenerateChunk` structs, msgpack encoding, record size check, headers, metrics) and
 publishes them through the real `Publisher.publish_batch` into aiokafka's own
@@ -133,7 +133,7 @@ async def run_side(messages, steps, chunk_tokens: int):
         offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)
         await handler.handle(m)
     for data in steps:
-        handler.on_outputs(decode(data).outputs)  # the reader thread's decode, the loop's handling
+        handler.on_outputs(decode(data).outputs)  # the pipe reader's decode and handling, on the loop
         while handler._publishing:  # the step's publish task
             await asyncio.sleep(0)
     return time.process_time() - start, sink

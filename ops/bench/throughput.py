@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
     if args.prompts is not None:  # a text's ids as the prompts: the output repeats them
         gen += ["--synthetic-tokens", "prompt"]
+    gen += shlex.split(args.generate_args)
     for name, extra in (("generate", gen),
                         ("derender", ["derender-worker"])):
         log = open(log_dir / f"{name}.log", "wb")
@@ -350,10 +352,14 @@ def main() -> None:
     parser.add_argument("--each-alone", action="store_true",
                         help="each stage at its own saturation: generate first, then the derender (see above)")
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
+    parser.add_argument("--generate-args", default="", metavar="ARGS",
+                        help="more generate-worker options, for both codes, e.g. '--max-chunk-rate 0' (the chunk "
+                             "policy's trade-offs: docs/design.md §4)")
     args = parser.parse_args()
 
     print(f"step {args.step_ms:g} ms, batch {args.max_batch}, {args.requests} requests x {args.max_tokens} tokens; "
-          f"ratios are to the synthetic engine alone on each load's requests (printed before its rows)")
+          f"ratios are to the synthetic engine alone on each load's requests (printed before its rows)"
+          + (f"; generate-worker {args.generate_args}" if args.generate_args else ""))
     stage = f" {'stage':>9}" if args.each_alone else ""
     print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
           f"{'10-90%':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} {'derender us/tok':>15} "

@@ -5,10 +5,18 @@ step's chunks (building records, aiokafka's batching and acks) then costs the en
 large share of its tokens/s — measured 28% on the tiny model, while the same publishing
 from another process cost it nothing (BENCHMARKS.md, engine (c)). So by default the
 worker runs the engine and its stepping thread (`EngineThread`) in a child process,
-like vLLM v1's engine core, and talks to it through a pipe:
+like vLLM v1's engine core, and talks to it through two one-way pipes:
 
     parent → child   Add(request) | Abort(request_id, reason) | Stop()
     child → parent   Ready(limits) | Step(outputs, step_s) | Failed(error)
+
+The worker reads the child's pipe on its event loop (`StepReader`, an asyncio protocol),
+not on a thread of its own: a reader thread had to win the GIL back from the busy loop
+after every read, which cost it ~370 µs of CPU per batch-256 step where decoding the
+step costs ~120 (BENCHMARKS.md, "The engine pipe read on the event loop"), and delayed
+steps by up to the interpreter's 5 ms switch interval. Reading on the loop also makes
+backpressure plain flow control: with `max_steps_waiting` steps not yet published, the
+reader stops reading; the pipe fills, the child's outbox waits, and so does the engine.
 
 `EngineProcess` has EngineThread's interface (add/abort/stop/failure), so the worker
 does not know which one it drives. Requests are validated in the parent against the
@@ -19,20 +27,21 @@ it drains first) and exits when the worker goes away (end of file on its pipe).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
 import queue
 import signal
 import threading
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
 from schemas.errors import ValidationError
 from schemas.records import GenerateRequest
 from schemas.validation import validate_request
-from workers.generate.engine_thread import Deliver, EngineThread, engine_limits
+from workers.generate.engine_thread import EngineThread, engine_limits
 from workers.generate.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -74,37 +83,81 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_to_child = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
 _decode_from_child = msgspec.msgpack.Decoder(Ready | Step | Failed).decode
 
+# The child's messages are framed here, not by multiprocessing (whose framing is its
+# own business): a 4-byte big-endian length, then the msgpack bytes. The parent's
+# commands go through multiprocessing's send_bytes/recv_bytes on the other pipe.
+_LENGTH = 4
+
+
+def write_frame(conn, payload: bytes) -> None:
+    """One message to the worker (blocking; raises OSError once the worker is gone)."""
+    data = memoryview(len(payload).to_bytes(_LENGTH, "big") + payload)
+    fd = conn.fileno()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def read_frame(conn) -> bytes:
+    """One message from the child (blocking; raises EOFError at end of file)."""
+    header = _read_exactly(conn.fileno(), _LENGTH)
+    return _read_exactly(conn.fileno(), int.from_bytes(header, "big"))
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    parts, left = [], size
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            raise EOFError("the engine process closed its pipe")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+# step_sink(outputs, step_s), called on the event loop for every step the child sends;
+# returns the step's publish task (the reader counts those until done), or None if the
+# step started none. After a failure it is called once more with ([], 0.0) and
+# `failure` set.
+StepSink = Callable[[list, float], "Awaitable | None"]
+
 
 class EngineProcess:
-    def __init__(self, engine_options: dict[str, Any], deliver: Deliver, *, min_step_s: float = 0.0,
-                 threads: int = 0, start_timeout_s: float = 600.0):
+    def __init__(self, engine_options: dict[str, Any], step_sink: StepSink, *, min_step_s: float = 0.0,
+                 threads: int = 0, start_timeout_s: float = 600.0, max_steps_waiting: int = 4):
         self.engine_options = engine_options  # Engine(**engine_options) in the child
         self.min_step_s = min_step_s
         self.threads = threads
         self.start_timeout_s = start_timeout_s
+        self.max_steps_waiting = max_steps_waiting
         self.failure: BaseException | None = None
         self.limits: dict[str, int] = {}
-        self._deliver = deliver
-        self._conn = None
+        self._step_sink = step_sink
+        self._commands = None  # parent → child
+        self._steps = None  # child → parent
         self._process = None
-        self._reader: threading.Thread | None = None
+        self._transport: asyncio.ReadTransport | None = None
+        self._reaping: asyncio.Task | None = None
         self._send_lock = threading.Lock()
         self._stopping = False
 
     def start(self) -> None:
-        """Start the child and wait until its model is loaded (blocking: call it off the loop)."""
+        """Start the child and wait until its model is loaded (blocking: call it off the
+        loop); then `read_steps()` on the loop."""
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads/CUDA
-        self._conn, child_end = context.Pipe()
+        child_commands, self._commands = context.Pipe(duplex=False)
+        self._steps, child_steps = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=_child_main, args=(child_end, self.engine_options, self.min_step_s, self.threads),
+            target=_child_main, args=(child_commands, child_steps, self.engine_options, self.min_step_s,
+                                      self.threads),
             name="genpipe-engine", daemon=True)
         self._process.start()
-        child_end.close()  # the child's copy is the only one left: its exit means EOF here
-        if not self._conn.poll(self.start_timeout_s):
+        child_commands.close()  # the child's copies are the only ones left: its exit means EOF here
+        child_steps.close()
+        if not self._steps.poll(self.start_timeout_s):
             self._process.kill()
             raise RuntimeError(f"the engine process did not load its model within {self.start_timeout_s:.0f} s")
         try:
-            message = _decode_from_child(self._conn.recv_bytes())
+            message = _decode_from_child(read_frame(self._steps))
         except EOFError:
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})") from None
@@ -112,8 +165,11 @@ class EngineProcess:
             self._process.join(5)
             raise RuntimeError(f"the engine process failed to start: {getattr(message, 'error', message)}")
         self.limits = message.limits
-        self._reader = threading.Thread(target=self._read, name="genpipe-engine-reader", daemon=True)
-        self._reader.start()
+
+    async def read_steps(self) -> None:
+        """Hand the child's steps to the step sink from now on, on this event loop."""
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.connect_read_pipe(lambda: StepReader(self), self._steps)
 
     def validate(self, request) -> None:
         """Raises schemas ValidationError for a request the engine would refuse."""
@@ -128,6 +184,8 @@ class EngineProcess:
         self._send(Abort(request_id, reason))
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the child (blocking, at most `timeout` s before it is killed). On the loop
+        that reads its steps, or after that loop has closed."""
         self._stopping = True
         if self._process is None:
             return
@@ -140,35 +198,95 @@ class EngineProcess:
             log.warning("engine process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
             self._process.join(5)
-        self._conn.close()
+        self._commands.close()
+        if self._transport is None:
+            self._steps.close()
+            return
+        try:
+            self._transport.close()  # and the pipe it reads
+        except RuntimeError:  # its loop has closed
+            self._steps.close()
 
     def _send(self, message: Add | Abort | Stop) -> None:
         try:
             with self._send_lock:  # the loop and stop() may both send
-                self._conn.send_bytes(_encode(message))
+                self._commands.send_bytes(_encode(message))
         except (OSError, ValueError) as exc:  # broken pipe / closed: the child is gone
             raise RuntimeError(f"the engine process is gone: {exc}") from exc
 
-    def _read(self) -> None:
-        """Reader thread: hand every step to `deliver`; notice the child failing or dying."""
-        while True:
-            try:
-                message = _decode_from_child(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                if not self._stopping:
-                    self._process.join(5)  # reap it, so the exit code is known (EOF can come first)
-                    self._fail(RuntimeError(f"the engine process exited (exit code {self._process.exitcode})"))
-                return
-            if isinstance(message, Step):
-                self._deliver(message.outputs, message.step_s)
-            elif isinstance(message, Failed):
-                self._fail(RuntimeError(f"engine failed: {message.error}"))
-                return
+    def _child_gone(self) -> None:
+        """End of file on the child's pipe: it exited. Unless we stopped it, that is a
+        failure; it is reaped first (off the loop), so the exit code is known."""
+        if self._stopping or self.failure is not None:
+            return
+
+        async def reap() -> None:
+            await asyncio.to_thread(self._process.join, 5)
+            self._fail(RuntimeError(f"the engine process exited (exit code {self._process.exitcode})"))
+
+        self._reaping = asyncio.ensure_future(reap())
 
     def _fail(self, exc: BaseException) -> None:
         log.error("%s", exc)
         self.failure = exc
-        self._deliver([], 0.0)
+        self._step_sink([], 0.0)
+
+
+class StepReader(asyncio.Protocol):
+    """The child's pipe, read on the event loop: frames cut from what arrives, decoded,
+    and handed to the engine's step sink. While `max_steps_waiting` steps handed on have
+    publish tasks not yet done, reading pauses (the frames already read wait here), so
+    the pipe fills and the child waits: the engine steps no faster than the worker
+    publishes."""
+
+    def __init__(self, engine: EngineProcess):
+        self.engine = engine
+        self.transport: asyncio.ReadTransport | None = None
+        self.buffer = bytearray()
+        self.waiting = 0  # steps handed on whose publish task is not done
+        self.paused = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._hand_on()
+
+    def connection_lost(self, exc) -> None:
+        self.engine._child_gone()
+
+    def _hand_on(self) -> None:
+        """Every whole frame in the buffer, while there is room; then pause or resume."""
+        buffer, start, limit = self.buffer, 0, self.engine.max_steps_waiting
+        while self.waiting < limit and len(buffer) - start >= _LENGTH:
+            end = start + _LENGTH + int.from_bytes(buffer[start:start + _LENGTH], "big")
+            if len(buffer) < end:
+                break
+            message = _decode_from_child(buffer[start + _LENGTH:end])
+            start = end
+            if isinstance(message, Step):
+                published = self.engine._step_sink(message.outputs, message.step_s)
+                if published is not None:
+                    self.waiting += 1
+                    published.add_done_callback(self._published)
+            elif isinstance(message, Failed):
+                self.engine._fail(RuntimeError(f"engine failed: {message.error}"))
+                self.transport.close()
+                return
+        del buffer[:start]
+        if self.waiting >= limit:
+            if not self.paused:
+                self.paused = True
+                self.transport.pause_reading()
+        elif self.paused and not self.transport.is_closing():
+            self.paused = False
+            self.transport.resume_reading()
+
+    def _published(self, _) -> None:
+        self.waiting -= 1
+        if self.paused and self.waiting < self.engine.max_steps_waiting:
+            self._hand_on()  # the frames read before the pause first
 
 
 def make_engine(options: dict[str, Any]):
@@ -186,8 +304,8 @@ def make_engine(options: dict[str, Any]):
 class Outbox:
     """The child's messages to the worker, sent by a thread of their own, so the engine
     steps on while a step's outputs are encoded and written: a pipe holds 64 KB, a
-    batch-256 step at k=20 is ~72 KB, and the write waits for the worker's reader thread
-    (which waits for its process's GIL). A GPU engine overlaps that with its next step;
+    batch-256 step at k=20 is ~72 KB, and the write waits for the worker to read. A GPU
+    engine overlaps that with its next step;
     with the synthetic one's 2 ms steps the generate stage ran 1.07x faster at k=0 and
     1.24x at k=5 this way (BENCHMARKS.md, "Each stage alone").
     At most `depth` messages wait: past that the engine waits too, as it did on the
@@ -222,12 +340,12 @@ class Outbox:
     def _run(self) -> None:
         try:
             while (message := self._queue.get()) is not None:
-                self._conn.send_bytes(_encode(message))
+                write_frame(self._conn, _encode(message))
         except (OSError, ValueError):
             pass  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
 
 
-def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
+def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
     import torch
@@ -241,10 +359,10 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     try:
         engine = make_engine(engine_options)
     except BaseException as exc:
-        conn.send_bytes(_encode(Failed(f"{type(exc).__name__}: {exc}")))
+        write_frame(steps, _encode(Failed(f"{type(exc).__name__}: {exc}")))
         return
-    conn.send_bytes(_encode(Ready(engine_limits(engine))))
-    outbox = Outbox(conn)
+    write_frame(steps, _encode(Ready(engine_limits(engine))))
+    outbox = Outbox(steps)
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
@@ -256,7 +374,7 @@ def _child_main(conn, engine_options: dict[str, Any], min_step_s: float, threads
     thread.start()
     try:
         while thread.failure is None:
-            message = _decode_to_child(conn.recv_bytes())
+            message = _decode_to_child(commands.recv_bytes())
             if isinstance(message, Add):
                 try:
                     thread.add(message.request)

@@ -96,27 +96,33 @@ def _vocab_size(model_dir: str) -> int:
 
 
 class EngineOutputs:
-    """Carries engine steps from the engine's thread to the handler on the event loop.
-    The engine is built first (it needs the callback), the handler later (it needs the
-    engine): this is the one link between them.
+    """Carries engine steps to the handler on the event loop. The engine is built first
+    (it needs the callback), the handler later (it needs the engine): this is the one
+    link between them.
 
     At most `max_steps_waiting` steps are between the engine and the end of their publish
-    step; past that `deliver` waits, which holds the engine (its thread, or the child's
-    pipe reader and so its outbox and stepping). Without the bound an event loop that
-    falls behind (a saturated host, a slow broker) kept every step in its ready queue:
-    chunk ages of 0.4-3.3 s at p99 measured at k=5 on 2 cores, with memory to match, and the
-    loop's heartbeats and fetches waiting behind them."""
+    step; past that the engine waits. An engine process's steps are read on the loop
+    (`on_step`), whose reader pauses (workers/generate/engine_process.py); an engine
+    thread in this process hands them over in `deliver`, which waits. Without the bound
+    an event loop that falls behind (a saturated host, a slow broker) kept every step in
+    its ready queue: chunk ages of 0.4-3.3 s at p99 measured at k=5 on 2 cores, with
+    memory to match, and the loop's heartbeats and fetches waiting behind them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_steps_waiting: int = 4):
         self.loop = loop
+        self.max_steps_waiting = max_steps_waiting
         self.engine = None
         self.handler: GenerateHandler | None = None
         self._room = threading.BoundedSemaphore(max_steps_waiting)
 
-    def deliver(self, outputs: list, step_s: float) -> None:  # on the engine (reader) thread
-        if step_s:
-            series(STEP_TIME, W).observe(step_s)
-            series(BATCH_SIZE, W).observe(len(outputs))
+    def on_step(self, outputs: list, step_s: float) -> asyncio.Future | None:
+        """On the loop: one step to the handler; returns its publish step (None: none)."""
+        _observe(outputs, step_s)
+        return self._publish(outputs)
+
+    def deliver(self, outputs: list, step_s: float) -> None:
+        """On an engine thread of this process: waits for room, then hands the step over."""
+        _observe(outputs, step_s)
         if outputs or self.engine.failure is not None:
             while not self._room.acquire(timeout=0.5):
                 if self.loop.is_closed():
@@ -124,10 +130,24 @@ class EngineOutputs:
             self.loop.call_soon_threadsafe(self._on_loop, outputs)
 
     def _on_loop(self, outputs: list) -> None:
-        if self.handler is None:  # (a failure can come before the first request)
+        published = self._publish(outputs)
+        if published is None:
             self._room.release()
-            return
-        self.handler.on_outputs(outputs).add_done_callback(lambda _: self._room.release())
+        else:
+            published.add_done_callback(lambda _: self._room.release())
+
+    def _publish(self, outputs: list) -> asyncio.Future | None:
+        if self.handler is None:  # (a failure can come before the first request)
+            return None
+        if not outputs and self.engine.failure is None:
+            return None
+        return self.handler.on_outputs(outputs)
+
+
+def _observe(outputs: list, step_s: float) -> None:
+    if step_s:
+        series(STEP_TIME, W).observe(step_s)
+        series(BATCH_SIZE, W).observe(len(outputs))
 
 
 async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
@@ -139,12 +159,13 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)  # a bad pattern fails before the model loads
     outputs = EngineOutputs(asyncio.get_running_loop())
     if engine is None and config.engine_in == "process":
-        outputs.engine = EngineProcess(engine_options(config), outputs.deliver, min_step_s=config.min_step_s,
-                                       threads=config.threads)
+        outputs.engine = EngineProcess(engine_options(config), outputs.on_step, min_step_s=config.min_step_s,
+                                       threads=config.threads, max_steps_waiting=outputs.max_steps_waiting)
         try:
             await asyncio.to_thread(outputs.engine.start)  # loads the model; the loop stays free
         except RuntimeError as exc:
             raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: {one_line(exc)}") from exc
+        await outputs.engine.read_steps()
     else:
         if engine is None:
             try:
