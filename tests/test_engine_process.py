@@ -246,3 +246,32 @@ def test_the_reader_stops_reading_while_steps_wait_unpublished_and_loses_none(lo
     assert not stepping.is_alive()
     assert sink.steps == [float(n) for n in range(40)]
     on_loop(loop, transport.close)
+
+
+def test_a_failure_from_the_child_is_reported_once_and_ends_the_reading(loop):
+    import multiprocessing
+    import types
+
+    from workers.generate.engine_process import Failed, StepReader, _encode, write_frame
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sink, failures, gone = Sink(loop), [], []
+    engine = types.SimpleNamespace(max_steps_waiting=2, _step_sink=sink, _child_gone=lambda: gone.append(1),
+                                   _fail=failures.append)
+    transport, _ = asyncio.run_coroutine_threadsafe(
+        loop.connect_read_pipe(lambda: StepReader(engine), reader), loop).result(10)
+    for n in range(3):
+        write_frame(writer, _encode(big_step(n, tokens=10)))
+    write_frame(writer, _encode(Failed("RuntimeError: CUDA out of memory")))
+    write_frame(writer, _encode(big_step(9, tokens=10)))  # nothing after a failure is read
+    wait_until(lambda: len(sink.steps) == 2)
+    sink.publish(1)  # room for step 2
+    wait_until(lambda: len(sink.steps) == 3)
+    sink.publish(1)  # room again: the failure is read
+    wait_until(lambda: failures)
+    sink.publish(1)  # step 2's publish makes room once more: nothing more may be read
+    wait_until(lambda: all(f.done() for f in sink.publishes))
+    on_loop(loop, lambda: None)  # (after the callbacks that publish scheduled)
+    wait_until(lambda: transport.is_closing() and gone)
+    assert sink.steps == [0.0, 1.0, 2.0]
+    assert [str(exc) for exc in failures] == ["engine failed: RuntimeError: CUDA out of memory"]

@@ -270,7 +270,8 @@ class StepReader(asyncio.Protocol):
                 if published is not None:
                     self.waiting += 1
                     published.add_done_callback(self._published)
-            elif isinstance(message, Failed):
+            elif isinstance(message, Failed):  # the child's last message: nothing more is read
+                buffer.clear()
                 self.engine._fail(RuntimeError(f"engine failed: {message.error}"))
                 self.transport.close()
                 return
