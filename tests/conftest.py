@@ -21,10 +21,12 @@ fixtures here must not ask for a narrower loop scope.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -202,3 +204,17 @@ def tiny_model_dir():
     from workers.models.tinymodel import default_model_dir
 
     return default_model_dir("spm")
+
+
+@pytest.fixture
+def loop():
+    """An event loop running on a thread of its own, as a worker's is beside its engine
+    threads; a test may stop and close it itself."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -10,8 +10,6 @@ import threading
 import time
 import types
 
-import pytest
-
 from workers.generate.service import EngineOutputs
 
 
@@ -20,18 +18,6 @@ def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 class Handler:

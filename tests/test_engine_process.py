@@ -17,18 +17,6 @@ from workers.generate.engine import Engine
 from workers.generate.engine_process import EngineProcess
 
 
-@pytest.fixture
-def loop():
-    """An event loop on a thread of its own, as the worker's: the steps are read on it."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
-
-
 def on_loop(loop, function, *args):
     """function(*args) run on `loop`; its result."""
     async def call():

@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Publisher, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, Publisher, compare, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 WORKLOADS = [(shape, text, k) for text in ("ascii", "cjk", "synthetic") for shape in ("chat", "completion")
              for k in (0, 5)]
@@ -197,21 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     new = worktree(args.contender) if args.contender else ROOT
     child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
                   "--chunk-tokens", str(args.chunk_tokens)]
-    sides = {"ref": Side(HERE, ref, child_args), "new": Side(HERE, new, child_args)}
-    same = True
-    try:
-        for w in workloads:
-            r = interleaved(sides, w, args.rounds)
-            records, tokens, best = r["records"], r["tokens"], r["best"]
-            same &= r["identical"]
-            print(f"{w:<23} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
-                  f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
-                  f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  "
-                  f"{'identical' if r['identical'] else 'DIFFERENT'}", flush=True)
-    finally:
-        for side in sides.values():
-            side.close()
-    return 0 if same else 1
+    def row(workload: str, r: dict) -> str:
+        records, tokens, best = r["records"], r["tokens"], r["best"]
+        return (f"{workload:<23} {records:>7} {best['ref'] / records * 1e6:>10.1f} {best['new'] / records * 1e6:>10.1f} "
+                f"{best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
+                f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x")
+
+    return compare(HERE, ref, new, child_args, workloads, args.rounds, row)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Publisher, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, Publisher, compare, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 async def start_engine(step_s: float, max_batch: int):
@@ -131,20 +131,12 @@ def main(argv: list[str] | None = None) -> int:
           f"what requests said")
     child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
                   "--chunk-tokens", str(args.chunk_tokens), "--step-ms", str(args.step_ms)]
-    sides = {"ref": Side(HERE, ref, child_args), "new": Side(HERE, new, child_args)}
-    same = True
-    try:
-        for k in args.k:
-            r = interleaved(sides, f"k={k}", args.rounds)
-            tokens, best = r["tokens"], r["best"]
-            same &= r["identical"]
-            print(f"{'k=' + str(k):<9} {best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
-                  f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  {r['records']:>18}  "
-                  f"{'identical' if r['identical'] else 'DIFFERENT'}", flush=True)
-    finally:
-        for side in sides.values():
-            side.close()
-    return 0 if same else 1
+    def row(workload: str, r: dict) -> str:
+        tokens, best = r["tokens"], r["best"]
+        return (f"{workload:<9} {best['ref'] / tokens * 1e6:>10.2f} {best['new'] / tokens * 1e6:>10.2f} "
+                f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  {r['records']:>18}")
+
+    return compare(HERE, ref, new, child_args, [f"k={k}" for k in args.k], args.rounds, row)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Side, interleaved, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, compare, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 # --- a child: one side, its runs timed ----------------------------------------------------
@@ -195,21 +195,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  chunks")
     child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
                   "--chunk-tokens", str(args.chunk_tokens)]
-    sides = {"ref": Side(HERE, ref, child_args), "new": Side(HERE, new, child_args)}
-    same = True
-    try:
-        for k in args.k:
-            r = interleaved(sides, f"k={k}", args.rounds)
-            records, tokens, best = r["records"], r["tokens"], r["best"]
-            same &= r["identical"]
-            print(f"{'k=' + str(k):<9} {records:>7} {best['ref'] / records * 1e6:>12.1f} "
-                  f"{best['new'] / records * 1e6:>12.1f} {best['ref'] / tokens * 1e6:>10.2f} "
-                  f"{best['new'] / tokens * 1e6:>10.2f} {best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  "
-                  f"{'identical' if r['identical'] else 'DIFFERENT'}", flush=True)
-    finally:
-        for side in sides.values():
-            side.close()
-    return 0 if same else 1
+    def row(workload: str, r: dict) -> str:
+        records, tokens, best = r["records"], r["tokens"], r["best"]
+        return (f"{workload:<9} {records:>7} {best['ref'] / records * 1e6:>12.1f} "
+                f"{best['new'] / records * 1e6:>12.1f} {best['ref'] / tokens * 1e6:>10.2f} "
+                f"{best['new'] / tokens * 1e6:>10.2f} {best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x")
+
+    return compare(HERE, ref, new, child_args, [f"k={k}" for k in args.k], args.rounds, row)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,24 @@ def interleaved(sides: dict[str, Side], workload: str, rounds: int) -> dict:
             "identical": digests["ref"] == digests["new"] and len(digests["new"]) == 1}
 
 
+def compare(script: Path, ref: Path, new: Path, child_args: list[str], workloads: list[str], rounds: int,
+            row) -> int:
+    """The parent's part: both sides of `script` kept up, each workload run `rounds` times
+    a side (`interleaved`), and a line printed per workload: `row(workload, result)`.
+    Returns the exit code: 1 if any workload's sides published different bytes."""
+    sides = {"ref": Side(script, ref, child_args), "new": Side(script, new, child_args)}
+    same = True
+    try:
+        for workload in workloads:
+            result = interleaved(sides, workload, rounds)
+            same &= result["identical"]
+            print(row(workload, result) + ("  identical" if result["identical"] else "  DIFFERENT"), flush=True)
+    finally:
+        for side in sides.values():
+            side.close()
+    return 0 if same else 1
+
+
 def use_code() -> str:
     """In a child: put its checkout's packages first and check they are the ones imported."""
     code = os.environ.get("GENPIPE_BENCH_CODE", str(ROOT))
