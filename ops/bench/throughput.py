@@ -273,6 +273,21 @@ async def chunk_stats(settings: KafkaSettings) -> tuple[int, int]:
     return len(records), sum(len(r.value) for r in records)
 
 
+async def while_running(procs: dict[str, subprocess.Popen], work, log_dir: Path):
+    """`work` (a coroutine), given up with an error as soon as a worker process exits: the
+    results a dead worker owed would be waited for forever."""
+    task = asyncio.ensure_future(work)
+    while True:
+        await asyncio.wait([task], timeout=1.0)
+        if task.done():
+            return task.result()
+        exited = {name: proc.returncode for name, proc in procs.items() if proc.poll() is not None}
+        if exited:
+            task.cancel()
+            await asyncio.wait([task])  # its readers and producer closed
+            raise RuntimeError(f"worker exited during the load (exit codes {exited}); logs in {log_dir}")
+
+
 def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
     """One run of the workers (this checkout, or `code`) on a fresh topic prefix."""
     from workers.broker.topics import create_topics
@@ -286,7 +301,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
             time.sleep(0.2)  # polling for the engine child to exist; readiness is the warm-up below
             if time.monotonic() > deadline:
                 raise RuntimeError("the generate worker's engine child did not start")
-        asyncio.run(run_load(settings, argparse.Namespace(**{**vars(args), "requests": 8}), k))  # warm-up
+        warm_up = argparse.Namespace(**{**vars(args), "requests": 8})
+        asyncio.run(while_running(procs, run_load(settings, warm_up, k), log_dir))
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -299,13 +315,17 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
         if args.each_alone:
             os.kill(pids["der"], signal.SIGSTOP)
-        run = asyncio.run(run_load(settings, args, k, between if args.each_alone else None))
+        run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None),
+                                        log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
         for proc in procs.values():
-            os.killpg(proc.pid, signal.SIGCONT)  # (a stopped process would not see the TERM)
-            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)  # (a stopped process would not see the TERM)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # it exited, and all its group with it
         for proc in procs.values():
             proc.wait(60)
     tokens = run["tokens"]
