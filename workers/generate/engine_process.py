@@ -34,7 +34,7 @@ import os
 import queue
 import signal
 import threading
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -118,7 +118,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
 # returns the step's publish task (the reader counts those until done), or None if the
 # step started none. After a failure it is called once more with ([], 0.0) and
 # `failure` set.
-StepSink = Callable[[list, float], "Awaitable | None"]
+StepSink = Callable[[list, float], "asyncio.Future | None"]
 
 
 class EngineProcess:
@@ -306,9 +306,9 @@ class Outbox:
     """The child's messages to the worker, sent by a thread of their own, so the engine
     steps on while a step's outputs are encoded and written: a pipe holds 64 KB, a
     batch-256 step at k=20 is ~72 KB, and the write waits for the worker to read. A GPU
-    engine overlaps that with its next step;
-    with the synthetic one's 2 ms steps the generate stage ran 1.07x faster at k=0 and
-    1.24x at k=5 this way (BENCHMARKS.md, "Each stage alone").
+    engine overlaps that with its next step; with the synthetic one's 2 ms steps the
+    generate stage ran 1.07x faster at k=0 and 1.24x at k=5 this way (BENCHMARKS.md,
+    "Each stage alone").
     At most `depth` messages wait: past that the engine waits too, as it did on the
     pipe, so a worker that falls behind still slows the engine instead of growing
     this queue."""
