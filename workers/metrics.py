@@ -59,8 +59,9 @@ class HistogramBatch:
     turn (`flush`): the exposition is the same as observing each one
     (tests/test_histogram_batch.py holds it to that). Histogram.observe takes two locks and
     walks the buckets: once per chunk it cost the derender 1.06-1.12x per record
-    (BENCHMARKS.md, "Each stage alone ... three derender cuts"). Reads prometheus_client's bucket bounds and values; where a release lacks
-    them, each observation is passed to `observe` at flush instead."""
+    (BENCHMARKS.md, "Each stage alone ... three derender cuts"). Reads prometheus_client's
+    bucket bounds and values; where a release lacks them, each observation is passed to
+    `observe` at flush instead."""
 
     def __init__(self, histogram_series):
         self.series = histogram_series

@@ -244,7 +244,6 @@ class StepReader(asyncio.Protocol):
         self.transport: asyncio.ReadTransport | None = None
         self.buffer = bytearray()
         self.waiting = 0  # steps handed on whose publish task is not done
-        self.paused = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -276,17 +275,16 @@ class StepReader(asyncio.Protocol):
                 self.transport.close()
                 return
         del buffer[:start]
+        reading = self.transport.is_reading()  # (False once closing, too)
         if self.waiting >= limit:
-            if not self.paused:
-                self.paused = True
+            if reading:
                 self.transport.pause_reading()
-        elif self.paused and not self.transport.is_closing():
-            self.paused = False
+        elif not reading and not self.transport.is_closing():
             self.transport.resume_reading()
 
     def _published(self, _) -> None:
         self.waiting -= 1
-        if self.paused and self.waiting < self.engine.max_steps_waiting:
+        if not self.transport.is_reading() and self.waiting < self.engine.max_steps_waiting:
             self._hand_on()  # the frames read before the pause first
 
 
