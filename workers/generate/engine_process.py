@@ -244,6 +244,10 @@ class StepReader(asyncio.Protocol):
         self.transport: asyncio.ReadTransport | None = None
         self.buffer = bytearray()
         self.waiting = 0  # steps handed on whose publish task is not done
+        # Our own flag, not transport.is_reading(): the pipe transport of Python 3.11.2
+        # (Debian 12's, in our image) lacks it and raises NotImplementedError, which
+        # stalled the worker's steps (caught by the compose smoke test, not by 3.11.7).
+        self.paused = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -275,16 +279,17 @@ class StepReader(asyncio.Protocol):
                 self.transport.close()
                 return
         del buffer[:start]
-        reading = self.transport.is_reading()  # (False once closing, too)
         if self.waiting >= limit:
-            if reading:
+            if not self.paused:
+                self.paused = True
                 self.transport.pause_reading()
-        elif not reading and not self.transport.is_closing():
+        elif self.paused and not self.transport.is_closing():
+            self.paused = False
             self.transport.resume_reading()
 
     def _published(self, _) -> None:
         self.waiting -= 1
-        if not self.transport.is_reading() and self.waiting < self.engine.max_steps_waiting:
+        if self.paused and self.waiting < self.engine.max_steps_waiting:
             self._hand_on()  # the frames read before the pause first
 
 
