@@ -263,3 +263,47 @@ def test_a_failure_from_the_child_is_reported_once_and_ends_the_reading(loop):
     wait_until(lambda: transport.is_closing() and gone)
     assert sink.steps == [0.0, 1.0, 2.0]
     assert [str(exc) for exc in failures] == ["engine failed: RuntimeError: CUDA out of memory"]
+
+
+def test_a_step_the_worker_cannot_take_fails_the_engine_instead_of_stalling_it(loop):
+    """A step sink (the worker's handler) that raises: asyncio alone would log it and the
+    reader would stop for good, the worker looking healthy with its steps stalled. The
+    engine fails instead, with the reason, and nothing after that step is handed on."""
+    import multiprocessing
+    import types
+
+    from workers.generate.engine_process import StepReader, _encode
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    steps, failures = [], []
+
+    def sink(outputs, step_s):
+        steps.append(step_s)
+        if step_s == 1.0:
+            raise KeyError("r-1")
+        return None
+
+    engine = types.SimpleNamespace(max_steps_waiting=2, _step_sink=sink, _child_gone=lambda: None,
+                                   _fail=failures.append)
+    transport, _ = asyncio.run_coroutine_threadsafe(
+        loop.connect_read_pipe(lambda: StepReader(engine), reader), loop).result(10)
+    frames = [_encode(big_step(n, tokens=10)) for n in range(4)]  # one write (< PIPE_BUF): one read
+    os.write(writer.fileno(), b"".join(len(frame).to_bytes(4, "big") + frame for frame in frames))
+    wait_until(lambda: failures and transport.is_closing())
+    assert steps == [0.0, 1.0]
+    assert [str(exc) for exc in failures] == ["reading the engine's steps failed: KeyError: 'r-1'"]
+
+
+def test_a_failed_engine_is_reported_once_even_if_the_sink_raises_on_it():
+    from workers.generate.engine_process import EngineProcess
+
+    calls = []
+
+    def sink(outputs, step_s):
+        calls.append(outputs)
+        raise RuntimeError("the handler is gone too")
+
+    engine = EngineProcess({}, sink)
+    engine._fail(RuntimeError("first"))
+    engine._fail(RuntimeError("second"))
+    assert str(engine.failure) == "first" and calls == [[]]

@@ -227,9 +227,15 @@ class EngineProcess:
         self._reaping = asyncio.ensure_future(reap())
 
     def _fail(self, exc: BaseException) -> None:
+        """The engine is unusable: say so once; the worker's next tick stops it."""
+        if self.failure is not None:
+            return
         log.error("%s", exc)
         self.failure = exc
-        self._step_sink([], 0.0)
+        try:
+            self._step_sink([], 0.0)
+        except Exception:  # (the sink may be what failed: the failure stands, tick sees it)
+            log.exception("the step sink failed on the engine's failure")
 
 
 class StepReader(asyncio.Protocol):
@@ -254,10 +260,24 @@ class StepReader(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self._hand_on()
+        self._hand_on_or_fail()
 
     def connection_lost(self, exc) -> None:
         self.engine._child_gone()
+
+    def _hand_on_or_fail(self) -> None:
+        """`_hand_on`; if that raises (a bug: the child's frames are our own, never a
+        client's), the engine fails with the reason and reading ends. Otherwise asyncio
+        would only log the exception from this loop callback, and a reader that raised
+        while paused never resumes: the worker's steps stall while it looks healthy (a
+        transport method missing on Python 3.11.2 did exactly that once)."""
+        try:
+            self._hand_on()
+        except Exception as exc:
+            log.exception("reading the engine's steps failed")
+            self.buffer.clear()
+            self.engine._fail(RuntimeError(f"reading the engine's steps failed: {type(exc).__name__}: {exc}"))
+            self.transport.close()
 
     def _hand_on(self) -> None:
         """Every whole frame in the buffer, while there is room; then pause or resume."""
@@ -290,7 +310,7 @@ class StepReader(asyncio.Protocol):
     def _published(self, _) -> None:
         self.waiting -= 1
         if self.paused and self.waiting < self.engine.max_steps_waiting:
-            self._hand_on()  # the frames read before the pause first
+            self._hand_on_or_fail()  # the frames read before the pause first
 
 
 def make_engine(options: dict[str, Any]):
