@@ -99,3 +99,56 @@ def test_a_request_due_exactly_now_leaves_now():
     assert policy.due([state], 0.6249, lagging=True, interval_s=0.25) == []
     assert policy.due([state], 0.5, lagging=False, interval_s=0.25) == [state]  # the interval, to the tick
     assert policy.due([state], 0.4999, lagging=False, interval_s=0.25) == []
+
+
+# --- a worker behind its engine stretches its chunks (ChunkPolicy.stretch, Pressure) ------
+
+def test_a_worker_keeping_up_uses_its_policy_as_configured():
+    from workers.generate.chunks import Pressure
+
+    pressure = Pressure()
+    for _ in range(1000):  # every step finds at most one earlier step still publishing
+        pressure.step(publishing=1)
+    policy = ChunkPolicy()
+    assert pressure.value == 0.0
+    assert policy.stretch(pressure.value) == 1.0 and policy.stretched(1.0) is policy
+
+
+def test_a_saturated_worker_makes_chunks_up_to_the_stretch_rarer_and_bigger():
+    from workers.generate.chunks import Pressure
+
+    pressure = Pressure()
+    for _ in range(200):  # ~10 of its time constants behind at every step
+        pressure.step(publishing=3)
+    policy = ChunkPolicy(max_tokens=16, max_delay_s=0.02, max_records_per_s=10_000, saturated_stretch=4.0)
+    stretch = policy.stretch(pressure.value)
+    assert stretch == 4.0
+    worst = policy.stretched(stretch)
+    assert (worst.max_tokens, worst.max_delay_s, worst.max_records_per_s) == (64, 0.08, 2500.0)
+    assert worst.interval(running=256) == 4 * policy.interval(running=256)  # ~100 ms instead of ~26
+    assert worst.lag_threshold == policy.lag_threshold
+    # a request's first token still leaves at once: the stretch spaces chunks, not the first one
+    assert worst.due_at(1, 5.0, NEVER_PUBLISHED, lagging=False, interval_s=worst.interval(256)) == 5.0
+
+
+def test_the_stretch_grows_with_pressure_in_quarters_and_goes_back_once_the_worker_keeps_up():
+    from workers.generate.chunks import Pressure
+
+    policy = ChunkPolicy(saturated_stretch=4.0)
+    assert [policy.stretch(p) for p in (0.0, 0.01, 0.1, 0.5, 1.0, 3.0)] == [1.0, 1.0, 1.25, 2.5, 4.0, 4.0]
+    assert ChunkPolicy(saturated_stretch=1.0).stretch(1.0) == 1.0  # 1: never
+    pressure = Pressure()
+    for _ in range(200):
+        pressure.step(publishing=4)
+    for _ in range(100):  # caught up: five time constants later the stretch is gone
+        pressure.step(publishing=0)
+    assert policy.stretch(pressure.value) == 1.0
+
+
+def test_one_busy_step_now_and_then_barely_stretches():
+    from workers.generate.chunks import Pressure
+
+    pressure = Pressure()
+    for n in range(2000):  # one step in 50 finds the worker behind
+        pressure.step(publishing=2 if n % 50 == 0 else 0)
+    assert 0.0 < pressure.value < 0.06 and ChunkPolicy().stretch(pressure.value) <= 1.25

@@ -156,7 +156,7 @@ async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
                                                         logprobs=2 if i % 2 else None))
                 for i, n in enumerate([1, 3, 4, 17, 40])]
     reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), requests)
-    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=3))
+    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=3, saturated_stretch=1.0))
     try:
         await produce(kafka_settings, [request_record(r) for r in requests])
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
@@ -196,7 +196,7 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
     reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), [many, plain])
     group = f"{kafka_settings.topic_prefix}-gen"
     # every token piles up until the final chunk: the cut to the size limit is certain
-    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=16),
+    stop, task = await start_worker(kafka_settings, engine, policy=HoldUntilFinal(max_tokens=16, saturated_stretch=1.0),
                                     max_record_bytes=limit)
     try:
         await produce(kafka_settings, [request_record(r) for r in requests])

@@ -15,6 +15,7 @@ def parse(argv: list[str]):
     (["generate-worker", "--max-batch", "0"], "argument --max-batch: must be at least 1, got 0"),
     (["generate-worker", "--coalesce-max-tokens", "0"], "argument --coalesce-max-tokens: must be at least 1, got 0"),
     (["generate-worker", "--coalesce-max-delay-ms", "nan"], "argument --coalesce-max-delay-ms: must be at least 0.0"),
+    (["generate-worker", "--saturated-stretch", "0.5"], "argument --saturated-stretch: must be at least 1.0, got 0.5"),
     (["generate-worker", "--prefill-chunk", "many"], "argument --prefill-chunk: expected an integer, got 'many'"),
     (["derender-worker", "--commit-interval-ms", "0"], "argument --commit-interval-ms: must be at least 1.0, got 0"),
     (["derender-worker", "--max-logprobs", "-2"], "argument --max-logprobs: must be at least -1, got -2"),

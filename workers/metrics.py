@@ -29,6 +29,8 @@ REBALANCES = Counter("genpipe_rebalances_total", "Partition assignments this wor
 WAITING = Gauge("genpipe_waiting_requests", "Requests read and queued, not yet started (generate)", ["worker"])
 BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["worker"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+CHUNK_STRETCH = Gauge("genpipe_chunk_stretch", "How many times rarer and bigger than configured a generate "
+                      "worker makes its chunks, because it is behind its engine (1: not behind)", ["worker"])
 CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])
 TTFT = Histogram("genpipe_time_to_first_token_seconds", "Request read to first token sampled", ["worker"],
                  buckets=_LATENCY_BUCKETS)

@@ -85,7 +85,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         reply_topic_pattern=args.reply_topic_pattern, queue_requests=args.queue_requests,
         queue_tokens=args.queue_tokens, group_instance_id=args.group_instance_id or None, assignor=args.assignor,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000,
-                           max_records_per_s=args.max_chunk_rate))
+                           max_records_per_s=args.max_chunk_rate, saturated_stretch=args.saturated_stretch))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
 
 
@@ -210,6 +210,12 @@ def register(sub) -> None:
                           "chunk, and no token waits longer than --coalesce-max-delay-ms: a small batch still publishes every step, a large "
                           "one coalesces tokens, which every record downstream (derender, results) pays "
                           "for once rather than per token")
+    gen.add_argument("--saturated-stretch", type=at_least(1.0, float), default=4.0,
+                     help="while this worker falls behind its engine (engine steps arrive before the earlier "
+                          "ones are published), its chunks become up to this many times rarer and bigger "
+                          "(the three limits above stretched together), so each token costs it less CPU until "
+                          "it keeps up; the metric genpipe_chunk_stretch shows the current stretch "
+                          "(default %(default)s; 1 = never)")
     _common(gen)
     gen.set_defaults(func=_run_generate)
 

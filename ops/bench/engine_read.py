@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Publisher, compare, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, Publisher, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 async def start_engine(step_s: float, max_batch: int):
@@ -54,14 +54,13 @@ async def run_side(outputs, k: int, requests: int, tokens: int, chunk_tokens: in
     from aiokafka import TopicPartition
 
     from schemas import GenerateChunk, GenerateRequest, SamplingParams, decode_record, encode, headers_for
-    from workers.generate.chunks import ChunkPolicy
     from workers.generate.worker import GenerateHandler
     from workers.kafka.offsets import PartitionOffsets
     from workers.kafka.settings import KafkaSettings
 
     sink: list = []
     offsets = PartitionOffsets()
-    policy = ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1)
+    policy = fixed_chunk_policy(chunk_tokens)
     handler = GenerateHandler(KafkaSettings(topic_prefix="b"), Publisher(sink, in_flight=10**12), offsets,
                               outputs.engine, max_running=requests, policy=policy)
     outputs.handler = handler

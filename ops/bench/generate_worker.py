@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, compare, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 # --- a child: one side, its runs timed ----------------------------------------------------
@@ -112,14 +112,13 @@ async def run_side(messages, steps, chunk_tokens: int):
     from aiokafka import TopicPartition
 
     from workers.generate import engine_process
-    from workers.generate.chunks import ChunkPolicy
     from workers.generate.worker import GenerateHandler
     from workers.kafka.offsets import PartitionOffsets
     from workers.kafka.settings import KafkaSettings
 
     sink: list = []
     offsets = PartitionOffsets()
-    policy = ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1)
+    policy = fixed_chunk_policy(chunk_tokens)
     from workers.kafka.publisher import Publisher
 
     publisher = Publisher(Producer(sink), "b.dlq")

@@ -97,6 +97,17 @@ def use_code() -> str:
     return code
 
 
+def fixed_chunk_policy(chunk_tokens: int):
+    """The side's own ChunkPolicy, cutting chunks at exactly `chunk_tokens` when its
+    publisher reports a lagging producer: sizes independent of timing (never stretched
+    by how far behind the side is, in code that stretches), so both sides publish the
+    same chunks and what is compared is the code's cost, not its policy."""
+    from workers.generate.chunks import ChunkPolicy
+
+    fixed = {"saturated_stretch": 1.0} if "saturated_stretch" in ChunkPolicy.__dataclass_fields__ else {}
+    return ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1, **fixed)
+
+
 class Message:
     """A consumed record, as the workers' handlers read it."""
 

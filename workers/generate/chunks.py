@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import msgspec
@@ -32,12 +32,36 @@ class ChunkPolicy:
     whatever its batch (a batch of 16 is below it and publishes every step; a batch of
     256 at 2 ms steps publishes every ~26 ms, capped by `max_delay_s`). Independently, a
     producer with more than `lag_threshold` unacknowledged records coalesces as much as
-    `max_tokens` / `max_delay_s` allow."""
+    `max_tokens` / `max_delay_s` allow.
+
+    A worker that falls behind its engine (`Pressure`) is stretched (`stretched`): its
+    chunks are spaced, held and sized up to `saturated_stretch` times more until it keeps
+    up again: fewer records carry the same tokens, and every record costs the worker and
+    its derender the same whatever it holds. Saturated, tokens wait in its queues
+    anyway: measured at batch 256 on 2 cores, 2-3.5x fewer chunk records did not raise
+    the newest token's age p99 (BENCHMARKS.md, "Coalescing under saturation")."""
 
     lag_threshold: int = 64  # unacknowledged records above which the producer "lags"
     max_tokens: int = 16  # at most this many tokens per chunk while coalescing
     max_delay_s: float = 0.02  # never hold a token longer than this
     max_records_per_s: float = 10_000.0  # the chunk rate a worker aims to stay under (0: no aim)
+    saturated_stretch: float = 4.0  # at full pressure: chunks this many times rarer and bigger (1: never)
+
+    def stretch(self, pressure: float) -> float:
+        """How much to stretch at `pressure` (0: keeping up with the engine, 1: behind at
+        every step): from 1 up to `saturated_stretch`, linearly, in quarters (so a worker
+        holds a few stretched policies, not one per step)."""
+        if pressure <= 0.0 or self.saturated_stretch <= 1.0:
+            return 1.0
+        return 1.0 + round(4 * (self.saturated_stretch - 1.0) * min(1.0, pressure)) / 4
+
+    def stretched(self, stretch: float) -> ChunkPolicy:
+        """This policy with `max_tokens` and `max_delay_s` times `stretch` and the rate aim
+        divided by it (itself at 1)."""
+        if stretch == 1.0:
+            return self
+        return replace(self, max_tokens=round(self.max_tokens * stretch), max_delay_s=self.max_delay_s * stretch,
+                       max_records_per_s=self.max_records_per_s / stretch, saturated_stretch=1.0)
 
     def interval(self, running: int) -> float:
         """The shortest time between two chunks of one request with `running` requests.
@@ -83,6 +107,25 @@ class ChunkPolicy:
                 continue  # held: it leaves at a later step or loop turn
             due.append(state)
         return due
+
+
+class Pressure:
+    """How far a worker is behind its engine, 0..1: a moving average, over recent engine
+    steps, of whether a step arrived while `busy_at` or more earlier steps were still
+    being published. A worker keeping up finishes a step's publishing before the next
+    step comes (0 or 1 under way); one that falls behind has several waiting (the engine
+    is held at 4: workers/generate/service.py). `weight` per step: 0.05 forgets in ~20
+    steps (~60 ms at batch-256 speed), so a burst stretches chunks briefly, not for good."""
+
+    def __init__(self, busy_at: int = 2, weight: float = 0.05):
+        self.busy_at = busy_at
+        self.weight = weight
+        self.value = 0.0
+
+    def step(self, publishing: int) -> float:
+        """One engine step arrived with `publishing` earlier publish steps not done."""
+        self.value += self.weight * ((1.0 if publishing >= self.busy_at else 0.0) - self.value)
+        return self.value
 
 
 @dataclass
@@ -132,15 +175,17 @@ class ChunkBuilder:
             series(TOKENS, W).inc(self.tokens_taken)
             self.chunks_taken = self.tokens_taken = 0
 
-    def take(self, state: InFlight, final: Final | None = None) -> tuple[list[Outgoing], str | None]:
+    def take(self, state: InFlight, final: Final | None = None,
+             max_tokens: int | None = None) -> tuple[list[Outgoing], str | None]:
         """All of the request's pending tokens as chunk records; the last one carries
-        `final`. A chunk holds at most `policy.max_tokens` tokens: they pile up past that
+        `final`. A chunk holds at most `max_tokens` (default `policy.max_tokens`;
+        the handler passes its stretched policy's) tokens: they pile up past that
         while a publish is under way (steps keep coming), and are cut here. A chunk over
         the record size limit (many logprobs) is cut smaller; one that cannot be (a single
         token's, or the prompt's, logprobs) ends the request with an error chunk, which
         the broker would otherwise refuse after the work was done. Returns the records and,
         in that case, the error's message."""
-        size = max(1, self.policy.max_tokens)
+        size = max(1, self.policy.max_tokens if max_tokens is None else max_tokens)
         records = []
         while True:
             count = min(size, len(state.pending_ids))

@@ -21,7 +21,7 @@ from aiokafka import TopicPartition
 
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
 from workers.generate.admission import WaitingQueue
-from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
+from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight, Pressure
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
                                    release_when_acked)
@@ -29,7 +29,7 @@ from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
+from workers.metrics import CHUNK_STRETCH, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,9 @@ class GenerateHandler(Handler):
         self.engine = engine_thread
         self.max_running = max_running
         self.policy = policy or ChunkPolicy()
+        self.pressure = Pressure()  # how far behind its engine this worker is (chunks.py)
+        self._stretched: dict[float, ChunkPolicy] = {}  # the policy by stretch, made once each
+        self._stretch = 1.0
         self.chunks = ChunkBuilder(settings.topic("chunks"), self.policy, publisher.fits, publisher.max_record_bytes)
         self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
         self.waiting: WaitingQueue[InFlight] = waiting or WaitingQueue()  # read, not yet admitted
@@ -194,6 +197,8 @@ class GenerateHandler(Handler):
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
+        if outputs:
+            self.pressure.step(len(self._publishing))
         return self._publish_soon(ended)
 
     def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> asyncio.Task:
@@ -208,20 +213,21 @@ class GenerateHandler(Handler):
         is due, as one producer batch per partition (many single sends cost several times
         more). The only path by which chunks leave the worker."""
         async with self._publish_lock:
+            policy = self._policy_now()
             records, owners = [], []
             for state, final in finals:
                 state.closed = True
-                taken = self._take_records(state, final)
+                taken = self._take_records(state, final, policy.max_tokens)
                 if final.finish_reason != "error":  # errors were counted as "invalid" when rejected
                     series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
             now = time.monotonic()
-            interval = self.policy.interval(len(self.inflight))
-            lagging = self.publisher.in_flight >= self.policy.lag_threshold
-            for state in self.policy.due(self.inflight.values(), now, lagging, interval):
+            interval = policy.interval(len(self.inflight))
+            lagging = self.publisher.in_flight >= policy.lag_threshold
+            for state in policy.due(self.inflight.values(), now, lagging, interval):
                 state.last_chunk_at = now
-                taken = self._take_records(state)
+                taken = self._take_records(state, max_tokens=policy.max_tokens)
                 records.extend(taken)  # the last one is final if the request just failed
                 owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
             self.chunks.count_taken()
@@ -230,10 +236,22 @@ class GenerateHandler(Handler):
             if state is not None:
                 release_when_acked(future, state.release)
 
-    def _take_records(self, state: InFlight, final: Final | None = None) -> list[Outgoing]:
+    def _policy_now(self) -> ChunkPolicy:
+        """The chunk policy stretched for how far behind its engine the worker is now."""
+        stretch = self.policy.stretch(self.pressure.value)
+        if stretch != self._stretch:
+            self._stretch = stretch
+            series(CHUNK_STRETCH, W).set(stretch)
+        policy = self._stretched.get(stretch)
+        if policy is None:
+            policy = self._stretched[stretch] = self.policy.stretched(stretch)
+        return policy
+
+    def _take_records(self, state: InFlight, final: Final | None = None,
+                      max_tokens: int | None = None) -> list[Outgoing]:
         """The request's pending tokens as chunk records (workers/generate/chunks.py); a
         request whose next chunk cannot fit the record limit ends here with an error chunk."""
-        records, too_large = self.chunks.take(state, final)
+        records, too_large = self.chunks.take(state, final, max_tokens)
         if too_large is not None:
             log.warning("request %s: %s", state.request.request_id, too_large)
             series(ERRORS, W).inc()
