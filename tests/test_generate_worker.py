@@ -134,6 +134,7 @@ async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_sett
                               sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
     # one running request at 2 chunks/s: a chunk every 0.5 s; steps paced at 50 ms
     policy = ChunkPolicy(max_records_per_s=2.0, max_delay_s=10.0, max_tokens=1000)
+    held = hold_histogram()
     stop, task = await start_worker(kafka_settings, engine, policy=policy, min_step_s=0.05)
     try:
         await produce(kafka_settings, [request_record(request)])
@@ -146,6 +147,23 @@ async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_sett
     assert len(got[0].token_ids) == 1
     assert sum(len(c.token_ids) for c in got) == 12
     assert len(got) < 12  # the rest coalesced: not a chunk per step
+    # genpipe_chunk_hold_seconds shows what coalescing cost: one observation per chunk,
+    # the first token's near 0, the coalesced ones' oldest token ~0.45 s
+    count, within_100ms, within_200ms = [after - before for after, before in zip(hold_histogram(), held)]
+    assert count == len(got)
+    assert within_100ms >= 1 and count - within_200ms >= 1
+
+
+def hold_histogram() -> tuple[float, float, float]:
+    """genpipe_chunk_hold_seconds of the generate worker(s) of this process: the count and
+    the observations of at most 0.1 and 0.2 s (a process-wide metric: compare deltas)."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, {"worker": "generate", **labels}) or 0.0
+
+    return (sample("genpipe_chunk_hold_seconds_count"), sample("genpipe_chunk_hold_seconds_bucket", le="0.1"),
+            sample("genpipe_chunk_hold_seconds_bucket", le="0.2"))
 
 
 async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(

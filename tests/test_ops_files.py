@@ -37,7 +37,7 @@ DASHBOARD_METRICS = {
     "genpipe_dlq_records", "genpipe_in_flight_requests", "genpipe_batch_size",
     "genpipe_consumer_lag_records", "genpipe_time_to_first_token_seconds",
     "genpipe_inter_token_latency_seconds", "genpipe_step_time_seconds",
-    "genpipe_derender_latency_seconds", "genpipe_chunk_stretch",
+    "genpipe_derender_latency_seconds", "genpipe_chunk_stretch", "genpipe_chunk_hold_seconds",
 }
 # Series names a metric family exposes, by type (what a query may name).
 SUFFIXES = {

@@ -31,6 +31,9 @@ BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["wo
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 CHUNK_STRETCH = Gauge("genpipe_chunk_stretch", "How many times rarer and bigger than configured a generate "
                       "worker makes its chunks, because it is behind its engine (1: not behind)", ["worker"])
+CHUNK_HOLD = Histogram("genpipe_chunk_hold_seconds", "How long the oldest token of a chunk waited in the "
+                       "generate worker to be coalesced (from its step reaching the worker to the chunk "
+                       "being taken)", ["worker"], buckets=_LATENCY_BUCKETS)
 CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])
 TTFT = Histogram("genpipe_time_to_first_token_seconds", "Request read to first token sampled", ["worker"],
                  buckets=_LATENCY_BUCKETS)

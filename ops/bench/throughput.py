@@ -11,7 +11,11 @@ the engine alone; the same between the polls that read the first 10% and 90% of 
 results (`10-90%`: the rate once running, without the ramp-up while requests are still
 being sent, nor the tail); CPU time per token of the generate worker, its engine child
 and the derender (from /proc, over the whole run); chunk and result records and their
-mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99.
+mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99;
+and, from the generate worker's metrics (code that has it), how long a chunk's oldest
+token waited to be coalesced (`genpipe_chunk_hold_seconds`, p50/p99 interpolated in its
+buckets as Prometheus's histogram_quantile does): the chunk age above is the newest
+token's, which that wait does not show.
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
@@ -108,13 +112,17 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | None = None) -> dict[str, subprocess.Popen]:
-    """The generate and derender workers, from this checkout or from `code` (a worktree)."""
+def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | None = None,
+                  metrics_port: int = 0) -> dict[str, subprocess.Popen]:
+    """The generate and derender workers, from this checkout or from `code` (a worktree);
+    the generate worker serves its metrics on `metrics_port` (0: none)."""
     common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
               "--log-level", "WARNING"]
     env = dict(os.environ, PYTHONPATH=str(code)) if code is not None else None
     procs = {}
     gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
+    if metrics_port:
+        gen += ["--metrics-port", str(metrics_port)]
     if args.prompts is not None:  # a text's ids as the prompts: the output repeats them
         gen += ["--synthetic-tokens", "prompt"]
     gen += shlex.split(args.generate_args)
@@ -124,6 +132,50 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
         procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=code, env=env)
     return procs
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def hold_buckets(port: int) -> dict[float, float] | None:
+    """genpipe_chunk_hold_seconds of the generate worker on `port`: cumulative count by
+    bucket bound; None when it is not served (code from before the metric)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "genpipe_chunk_hold_seconds":
+            return {float(sample.labels["le"]): sample.value for sample in family.samples
+                    if sample.name.endswith("_bucket")}
+    return None
+
+
+def bucket_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The q-quantile of the observations between two scrapes of one histogram, linear in
+    the bucket that holds it (histogram_quantile's rule); None without observations."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower  # past the last finite bound: its value, as Prometheus does
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
 
 
 class LoadFailed(Exception):
@@ -294,7 +346,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
     asyncio.run(create_topics(settings, partitions=8))
-    procs = start_workers(settings, args, log_dir, code)
+    metrics_port = free_port()
+    procs = start_workers(settings, args, log_dir, code, metrics_port)
     try:
         deadline = time.monotonic() + 120
         while not children(procs["generate"].pid):
@@ -305,6 +358,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         asyncio.run(while_running(procs, run_load(settings, warm_up, k), log_dir))
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
+        held_before = hold_buckets(metrics_port)  # (after the warm-up: this load's chunks only)
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         after: dict[str, float] = {}  # --each-alone: generate's CPU, taken when its stage ends
 
@@ -318,6 +372,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None),
                                         log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
+        held_after = hold_buckets(metrics_port)
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
         for proc in procs.values():
@@ -329,8 +384,10 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         for proc in procs.values():
             proc.wait(60)
     tokens = run["tokens"]
+    hold = ((bucket_quantile(0.5, held_before, held_after), bucket_quantile(0.99, held_before, held_after))
+            if held_before is not None and held_after is not None else (None, None))
     return {**run, "per": {name: (after[name] - before[name]) / tokens * 1e6 for name in before},
-            "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes}
+            "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes, "hold": hold}
 
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
@@ -345,6 +402,10 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
         return (f"{whole:>9,.0f} {(f'{whole / offered:.2f}' if ratio else ''):>6} {steady:>9,.0f} "
                 f"{(f'{steady / offered:.2f}' if ratio else ''):>6}")
 
+    hold_p50, hold_p99 = row["hold"]
+    if hold_p50 is not None:
+        print(f"    {code}: a chunk's oldest token held in the generate worker (genpipe_chunk_hold_seconds) "
+              f"p50 {hold_p50 * 1000:.1f} ms, p99 {hold_p99 * 1000:.1f} ms")
     if args.each_alone:
         print(f"{load} {'generate':>9} {rates(row['tokens'] / row['gen_elapsed'], row['gen_sustained'])} "
               f"{per['gen']:>10.1f} {per['engine']:>13.1f} {'':>15} {chunks} {'':>17} "

@@ -29,7 +29,8 @@ from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import CHUNK_STRETCH, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
+from workers.metrics import (CHUNK_HOLD, CHUNK_STRETCH, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING,
+                             HistogramBatch, series)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class GenerateHandler(Handler):
         self._idle.set()
         self._draining = False  # shutdown: nothing more is admitted
         self._ttft, self._inter_token = series(TTFT, W), series(INTER_TOKEN, W)
+        self._hold = HistogramBatch(series(CHUNK_HOLD, W))  # flushed once per publish step
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
 
     # --- requests in ------------------------------------------------------------------
@@ -214,23 +216,28 @@ class GenerateHandler(Handler):
         more). The only path by which chunks leave the worker."""
         async with self._publish_lock:
             policy = self._policy_now()
+            hold = self._hold.observe  # the oldest token's wait, per chunk taken
+            now = time.monotonic()
             records, owners = [], []
             for state, final in finals:
                 state.closed = True
+                if state.pending_ids:
+                    hold(now - state.pending_since)
                 taken = self._take_records(state, final, policy.max_tokens)
                 if final.finish_reason != "error":  # errors were counted as "invalid" when rejected
                     series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
-            now = time.monotonic()
             interval = policy.interval(len(self.inflight))
             lagging = self.publisher.in_flight >= policy.lag_threshold
             for state in policy.due(self.inflight.values(), now, lagging, interval):
                 state.last_chunk_at = now
+                hold(now - state.pending_since)
                 taken = self._take_records(state, max_tokens=policy.max_tokens)
                 records.extend(taken)  # the last one is final if the request just failed
                 owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
             self.chunks.count_taken()
+            self._hold.flush()
             futures = await self.publisher.publish_batch(records) if records else []
         for future, state in zip(futures, owners):
             if state is not None:
