@@ -152,6 +152,9 @@ async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_sett
     count, within_100ms, within_200ms = [after - before for after, before in zip(hold_histogram(), held)]
     assert count == len(got)
     assert within_100ms >= 1 and count - within_200ms >= 1
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("genpipe_chunk_stretch", {"worker": "generate"}) == 1.0  # never behind
 
 
 def hold_histogram() -> tuple[float, float, float]:

@@ -52,6 +52,7 @@ class GenerateHandler(Handler):
         self.pressure = Pressure()  # how far behind its engine this worker is (chunks.py)
         self._stretched: dict[float, ChunkPolicy] = {}  # the policy by stretch, made once each
         self._stretch = 1.0
+        series(CHUNK_STRETCH, W).set(1.0)  # (not 0 before the first change: 1 is "not behind")
         self.chunks = ChunkBuilder(settings.topic("chunks"), self.policy, publisher.fits, publisher.max_record_bytes)
         self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
         self.waiting: WaitingQueue[InFlight] = waiting or WaitingQueue()  # read, not yet admitted
