@@ -160,9 +160,8 @@ class Final:
 
 
 class ChunkBuilder:
-    def __init__(self, topic: str, policy: ChunkPolicy, fits: Callable[[Outgoing], bool], max_record_bytes: int):
+    def __init__(self, topic: str, fits: Callable[[Outgoing], bool], max_record_bytes: int):
         self.topic = topic
-        self.policy = policy
         self.fits = fits
         self.max_record_bytes = max_record_bytes
         # Counted here, added to the metrics once per publish step (count_taken): two
@@ -175,17 +174,16 @@ class ChunkBuilder:
             series(TOKENS, W).inc(self.tokens_taken)
             self.chunks_taken = self.tokens_taken = 0
 
-    def take(self, state: InFlight, final: Final | None = None,
-             max_tokens: int | None = None) -> tuple[list[Outgoing], str | None]:
+    def take(self, state: InFlight, final: Final | None, max_tokens: int) -> tuple[list[Outgoing], str | None]:
         """All of the request's pending tokens as chunk records; the last one carries
-        `final`. A chunk holds at most `max_tokens` (default `policy.max_tokens`;
-        the handler passes its stretched policy's) tokens: they pile up past that
+        `final`. A chunk holds at most `max_tokens` (the policy's in use, stretched or
+        not) tokens: they pile up past that
         while a publish is under way (steps keep coming), and are cut here. A chunk over
         the record size limit (many logprobs) is cut smaller; one that cannot be (a single
         token's, or the prompt's, logprobs) ends the request with an error chunk, which
         the broker would otherwise refuse after the work was done. Returns the records and,
         in that case, the error's message."""
-        size = max(1, self.policy.max_tokens if max_tokens is None else max_tokens)
+        size = max(1, max_tokens)
         records = []
         while True:
             count = min(size, len(state.pending_ids))

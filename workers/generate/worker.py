@@ -53,7 +53,7 @@ class GenerateHandler(Handler):
         self._stretched: dict[float, ChunkPolicy] = {}  # the policy by stretch, made once each
         self._stretch = 1.0
         series(CHUNK_STRETCH, W).set(1.0)  # (not 0 before the first change: 1 is "not behind")
-        self.chunks = ChunkBuilder(settings.topic("chunks"), self.policy, publisher.fits, publisher.max_record_bytes)
+        self.chunks = ChunkBuilder(settings.topic("chunks"), publisher.fits, publisher.max_record_bytes)
         self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
         self.waiting: WaitingQueue[InFlight] = waiting or WaitingQueue()  # read, not yet admitted
         self.bulk_topic = settings.topic("requests.bulk")
@@ -234,7 +234,7 @@ class GenerateHandler(Handler):
             for state in policy.due(self.inflight.values(), now, lagging, interval):
                 state.last_chunk_at = now
                 hold(now - state.pending_since)
-                taken = self._take_records(state, max_tokens=policy.max_tokens)
+                taken = self._take_records(state, None, policy.max_tokens)
                 records.extend(taken)  # the last one is final if the request just failed
                 owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
             self.chunks.count_taken()
@@ -255,8 +255,7 @@ class GenerateHandler(Handler):
             policy = self._stretched[stretch] = self.policy.stretched(stretch)
         return policy
 
-    def _take_records(self, state: InFlight, final: Final | None = None,
-                      max_tokens: int | None = None) -> list[Outgoing]:
+    def _take_records(self, state: InFlight, final: Final | None, max_tokens: int) -> list[Outgoing]:
         """The request's pending tokens as chunk records (workers/generate/chunks.py); a
         request whose next chunk cannot fit the record limit ends here with an error chunk."""
         records, too_large = self.chunks.take(state, final, max_tokens)
