@@ -61,8 +61,10 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workers.kafka.settings import KafkaSettings  # noqa: E402
+from soak import free_port  # noqa: E402  (ops/bench/soak.py)
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -132,14 +134,6 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
         procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=code, env=env)
     return procs
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def hold_buckets(port: int) -> dict[float, float] | None:
