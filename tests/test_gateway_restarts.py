@@ -76,12 +76,17 @@ async def test_a_generate_worker_killed_under_http_requests(kafka_settings, make
                         workers.kill(victim)
                         alive.remove(victim)
             assert "[DONE]" not in events
-            first, last = json.loads(events[0]), json.loads(events[-1])
-            assert first["object"] == "text_completion" and first["choices"][0]["text"]
+            *sent, last = [json.loads(event) for event in events]
+            assert sent and all(event["object"] == "text_completion" for event in sent)
             assert last["error"]["type"] == "server_error"
             assert "restarted" in last["error"]["message"] and "send the request again" in last["error"]["message"]
+            # What went out before the error is the start of the request's text. (It may be
+            # "": a first token that is part of a multi-byte character is held back, which
+            # happens for ~7% of request ids, so the test asserts the prefix, not a length.)
+            request_id = sent[0]["id"].removeprefix("cmpl-")
+            streamed = "".join(event["choices"][0]["text"] for event in sent)
+            assert uninterrupted_text(str(tiny_model_dir), request_id, 100).startswith(streamed)
             # ... and the new attempt, which nobody reads now, is cancelled.
-            request_id = first["id"].removeprefix("cmpl-")
             await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
                              until=lambda records: any(r.key == request_id.encode() for r in records))
 
