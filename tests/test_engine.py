@@ -15,6 +15,7 @@ import torch
 from schemas.errors import ValidationError
 from schemas.records import GenerateRequest, SamplingParams
 from workers.generate.engine import Engine, RequestOutput
+from workers.generate.logprob_entries import decode_entry
 
 EOS = 2
 HELLO = "[user]: Hello!\n[assistant]:"  # a chat turn; whether the model ends it with EOS depends on the CPU
@@ -125,7 +126,7 @@ def run(engine: Engine, requests: list[GenerateRequest], arrivals: dict[int, lis
             res.tokens += out.token_ids
             if out.logprobs is not None:
                 assert len(out.logprobs) == len(out.token_ids)
-                res.logprobs += [row.content() for row in out.logprobs]
+                res.logprobs += [decode_entry(row) for row in out.logprobs]
             if out.prompt_logprobs is not None:
                 assert res.prompt_logprobs is None
                 res.prompt_logprobs = out.prompt_logprobs

@@ -13,6 +13,7 @@ from schemas.errors import ValidationError
 from tests.kafka_helpers import chunks_finished, read_topic
 from workers.generate.synthetic import FIRST_ORDINARY_ID, SyntheticEngine, synthetic_token
 from workers.kafka.records import decode_message
+from workers.generate.logprob_entries import decode_entry
 
 
 def req(rid: str, **sampling) -> GenerateRequest:
@@ -68,7 +69,7 @@ def test_stop_ids_after_min_tokens_abort_and_deadlines():
 def test_logprobs_have_the_wire_shape_and_requests_are_validated():
     engine = SyntheticEngine(step_s=0.0, vocab_size=2000, max_logprobs=5)
     outs = run(engine, [req("l", max_tokens=3, logprobs=4, prompt_logprobs=2)])["l"]
-    rows = [row.content() for o in outs for row in (o.logprobs or [])]
+    rows = [decode_entry(row) for o in outs for row in (o.logprobs or [])]
     assert [r.token_id for r in rows] == tokens(outs)
     assert all(len(r.top_logprobs) == 4 and r.top_logprobs[0].token_id == r.token_id for r in rows)
     assert outs[0].prompt_logprobs[0] is None and len(outs[0].prompt_logprobs) == 3

@@ -98,13 +98,13 @@ def logprob_time(engine: Engine, work, logprobs: int | None) -> tuple[float, flo
 
     Run-to-run drift on a shared machine is larger than the effect (b) looks for, so this
     also times the logprob work inside the steps that do it: the same steps, no drift.
-    `step_to_rows` is the one function whose work depends on logprobs (without them it
+    `step_to_entries` is the one function whose work depends on logprobs (without them it
     only reads the sampled ids); off the CPU the queue is drained before each call so
     that its time is its own, not the forward's.
     """
     import workers.generate.engine as engine_module
 
-    inner = engine_module.step_to_rows
+    inner = engine_module.step_to_entries
     spent = 0.0
 
     def timed(*args, **kwargs):
@@ -116,11 +116,11 @@ def logprob_time(engine: Engine, work, logprobs: int | None) -> tuple[float, flo
         finally:
             spent += time.perf_counter() - t0
 
-    engine_module.step_to_rows = timed
+    engine_module.step_to_entries = timed
     try:
         _, secs, steps = run_engine(engine, work, logprobs)
     finally:
-        engine_module.step_to_rows = inner
+        engine_module.step_to_entries = inner
     return spent, secs, steps
 
 

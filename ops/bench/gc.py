@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from workers.generate.engine_process import Step, _decode_from_child, _encode  # noqa: E402
 from workers.generate.outputs import RequestOutput  # noqa: E402
-from workers.generate.synthetic import synthetic_row  # noqa: E402
+from workers.generate.synthetic import synthetic_entries  # noqa: E402
 
 
 def run(message: bytes, steps: int, live_steps: int = 10) -> float:
@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen0", type=int, default=gc.get_threshold()[0],
                     help="gen-0 threshold with the freeze (default: Python's; to try others)")
     args = ap.parse_args(argv)
+    entries = synthetic_entries([100 + i for i in range(256)], [args.k] * 256, 32000) if args.k else [None] * 256
     outputs = [RequestOutput(request_id=f"req-{i:06d}", token_ids=[100 + i], num_output_tokens=5,
-                             logprobs=[synthetic_row(100 + i, args.k, 32000)] if args.k else None)
-               for i in range(256)]
+                             logprobs=None if entry is None else [entry])
+               for i, entry in enumerate(entries)]
     message = _encode(Step(outputs=outputs, step_s=0.002))
     heap = [[i] for i in range(args.heap)]  # noqa: F841 (held: what the collector rescans)
     defaults = gc.get_threshold()

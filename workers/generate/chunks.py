@@ -12,7 +12,8 @@ from typing import Callable, Iterable
 import msgspec
 from aiokafka import TopicPartition
 
-from schemas import ChunkError, GenerateChunk, GenerateLogProbs, GenerateRequest
+from schemas import ChunkError, GenerateChunk, GenerateRequest
+from workers.generate.logprob_entries import logprobs_raw
 from workers.kafka.offsets import Release
 from workers.kafka.records import Outgoing
 from workers.metrics import CHUNKS, TOKENS, series
@@ -214,7 +215,7 @@ class ChunkBuilder:
             token_offset=state.token_offset, token_ids=token_ids,
             sampled_at_ns=state.sampled_at_ns or time.time_ns())
         if request.sampling.logprobs is not None and token_ids:
-            chunk.logprobs = GenerateLogProbs(content=[row.content() for row in state.pending_logprobs[:count]])
+            chunk.logprobs = logprobs_raw(state.pending_logprobs[:count])  # encoded by the engine
         if final is not None:
             chunk.finish_reason, chunk.stop_token_id, chunk.error = final.finish_reason, final.stop_token_id, final.error
         if state.seq == 0:  # the prompt's facts and the options derender needs

@@ -38,7 +38,7 @@ import torch
 from schemas.records import GenerateRequest, SamplingParams
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.generate.inbox import Inbox
-from workers.generate.logprobs import prompt_positions, step_to_rows
+from workers.generate.logprobs import prompt_positions, step_to_entries
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
 from workers.generate.outputs import RequestOutput
@@ -247,7 +247,7 @@ class Engine:
             processed = suppress(logits, [s.suppress_ids if len(s.output) < s.params.min_tokens else ()
                                           for s in seqs])
         sampled = sample(processed, st, gens)
-        ids, lps = step_to_rows(logits, sampled, ks)  # the one device→host copy of the step
+        ids, lps = step_to_entries(logits, sampled, ks)  # the one device→host copy of the step
         now = time.time_ns()
         max_len = self.max_model_len
         for seq, tok, lp in zip(seqs, ids, lps):

@@ -67,6 +67,31 @@ def contents(rows: Sequence[RowLogprobs | None]) -> list[GenerateLogProbsContent
     return [None if r is None else r.content() for r in rows]
 
 
+# --- entries as msgpack (the engine encodes them a step at a time: logprob_wire.py) -----
+
+
+def msgpack_array_header(n: int) -> bytes:
+    if n <= 15:
+        return bytes((0x90 | n,))
+    if n <= 0xFFFF:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def logprobs_raw(entries: Sequence[bytes]) -> msgspec.Raw:
+    """A chunk's `GenerateLogProbs` from its tokens' encoded entries, as msgspec.Raw: the
+    encoder copies it into the record as is."""
+    return msgspec.Raw(b"".join((b"\x81\xa7content", msgpack_array_header(len(entries)), *entries)))
+
+
+def decode_entry(data: bytes) -> GenerateLogProbsContent:
+    """An encoded entry as the struct (tests, and tools that inspect engine outputs)."""
+    return _decode_entry(data)
+
+
+_decode_entry = msgspec.msgpack.Decoder(GenerateLogProbsContent).decode
+
+
 def _wire(value: float, rank: int | None) -> tuple[float, int | None]:
     """Make a value safe for JSON: NaN → FLOOR with rank None, -inf → FLOOR, clamp."""
     if math.isnan(value):

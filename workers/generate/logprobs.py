@@ -32,11 +32,13 @@ import functools
 import math
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from schemas.records import GenerateLogProbsContent
 from workers.generate.logprob_entries import FLOOR, RowLogprobs, contents
+from workers.generate.logprob_wire import encode_entries
 
 PROMPT_BLOCK_ELEMS = 1 << 25  # rows x vocab per prompt-logprobs block (~128 MiB float32)
 
@@ -228,7 +230,42 @@ def step_to_rows(
     ks: Sequence[int | None],
     processed: Tensor | None = None,
 ) -> tuple[list[int], list[RowLogprobs | None]]:
-    """step_to_host with the entries left as RowLogprobs (what the engine emits)."""
+    """step_to_host with the entries left as RowLogprobs (the reference assembly)."""
+    ids, rows, host = _step_rows(logits, sampled, ks, processed)
+    out: list[RowLogprobs | None] = [None] * len(ids)
+    if host is not None:
+        eff, *lists = host
+        _assemble(out, rows, eff, ids, *lists)
+    return ids, out
+
+
+def step_to_entries(
+    logits: Tensor,
+    sampled: Tensor,
+    ks: Sequence[int | None],
+    processed: Tensor | None = None,
+) -> tuple[list[int], list[bytes | None]]:
+    """step_to_host with each entry as its msgpack encoding, the whole step at once
+    (`encode_entries`): what the engine emits, and what the worker puts into chunk
+    records as it is."""
+    ids, rows, host = _step_rows(logits, sampled, ks, processed)
+    out: list[bytes | None] = [None] * len(ids)
+    if host is not None:
+        eff, ranks, values, top_ids, top_values = host
+        k_max = max(eff)
+        # Rows are k_max (+1 on the CPU path) long: one [n, k_max] table each.
+        table_ids = np.array([t[:k_max] for t in top_ids], dtype=np.int64).reshape(len(rows), k_max)
+        table_values = np.array([t[:k_max] for t in top_values], dtype=np.float64).reshape(len(rows), k_max)
+        entries = encode_entries(np.array([ids[i] for i in rows], dtype=np.int64), np.array(ranks, dtype=np.int64),
+                                 np.array(values, dtype=np.float64), table_ids, table_values, eff)
+        for i, entry in zip(rows, entries):
+            out[i] = entry
+    return ids, out
+
+
+def _step_rows(logits: Tensor, sampled: Tensor, ks: Sequence[int | None], processed: Tensor | None):
+    """The sampled ids, the rows that asked for logprobs and, if any did, their host
+    lists: (effective ks, ranks, values, top ids, top values); top lists >= k long."""
     src = logits if processed is None else processed
     b, vocab = src.shape
     if len(ks) != b:
@@ -236,9 +273,8 @@ def step_to_rows(
     if sampled.dim() != 1 or sampled.dtype != torch.int64:
         sampled = sampled.reshape(-1).to(torch.int64)
     rows = [i for i, k in enumerate(ks) if k is not None]
-    out: list[RowLogprobs | None] = [None] * b
     if not rows:
-        return sampled.tolist(), out
+        return sampled.tolist(), rows, None
     eff = [k if 0 <= k <= vocab else _k_for(k, vocab) for k in (ks[i] for i in rows)]  # type: ignore[operator]
     sel_src, sel_sampled = src, sampled if sampled.device == src.device else sampled.to(src.device)
     if len(rows) < b:  # only the rows that asked pay for the V-wide work
@@ -251,8 +287,7 @@ def step_to_rows(
         rows_data = _rows_cpu(sel_src, sel_sampled, [ids[i] for i in rows], k_max)
     else:
         ids, *rows_data = _to_host(sampled, *_rows_exact(sel_src, sel_sampled, k_max))
-    _assemble(out, rows, eff, ids, *rows_data)
-    return ids, out
+    return ids, rows, (eff, *rows_data)
 
 
 def _rows_exact(src: Tensor, sampled: Tensor, k_max: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -10,17 +10,19 @@ from __future__ import annotations
 import msgspec
 
 from schemas.records import FinishReason, GenerateLogProbsContent
-from workers.generate.logprob_entries import RowLogprobs
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     """What one step produced for one request."""
 
     request_id: str
-    # Tuples when decoded from the pipe (not lists: see RowLogprobs.top_ids); the engine
-    # builds lists, which encode the same.
+    # A tuple when decoded from the pipe (a tuple of numbers is dropped from the garbage
+    # collector's view, a list is not); the engine builds lists, which encode the same.
     token_ids: tuple[int, ...]  # 0 or 1 new ids
-    logprobs: tuple[RowLogprobs, ...] | None = None  # aligned with token_ids, if asked (.content(): wire form)
+    # Aligned with token_ids, if asked: each position's GenerateLogProbsContent as msgpack,
+    # encoded by the engine a step at a time (logprob_entries.encode_entries), which the
+    # worker puts into its chunk records as it is (logprobs_raw).
+    logprobs: tuple[bytes, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only

@@ -18,7 +18,7 @@ Engine usage, one decode step:
 
     logits = suppress(raw, below_min_tokens_ids)      # new tensor only if needed
     sampled = sample(logits, st, generators)          # [B] int64 on logits.device
-    rows = step_to_rows(raw, sampled, ks)             # logprobs.py, on the raw logits
+    ids, entries = step_to_entries(raw, sampled, ks)  # logprobs.py, on the raw logits
 """
 
 from __future__ import annotations

@@ -21,11 +21,14 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from schemas.records import GenerateRequest
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.generate.admission import queue_by_priority
 from workers.generate.inbox import Inbox
 from workers.generate.logprob_entries import RowLogprobs
+from workers.generate.logprob_wire import encode_entries
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
 
@@ -43,10 +46,21 @@ def synthetic_token(request_id: str, index: int, vocab_size: int) -> int:
 
 def synthetic_row(token_id: int, k: int, vocab_size: int) -> RowLogprobs:
     """One position's logprobs in the real engine's row form (`.content()` is the wire
-    form): the token at rank 1, then k-1 neighbours, so the worker pays what it pays for
-    a model's logprobs."""
+    form): the token at rank 1, then k-1 neighbours (prompt logprobs)."""
     others = [(token_id + j) % vocab_size for j in range(1, k)]
     return RowLogprobs(token_id, 1, -0.5, [token_id, *others], [-0.5 - j for j in range(k)])
+
+
+def synthetic_entries(token_ids: list[int], ks: list[int], vocab_size: int) -> list[bytes]:
+    """`synthetic_row`'s entries for a step's rows (row i: token_ids[i], with ks[i] top
+    entries), encoded as the real engine encodes a step's (logprob_wire.py), so the
+    engine child and the worker pay what they pay for a model's logprobs."""
+    n, k_max = len(token_ids), max(ks)
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    slots = np.arange(k_max, dtype=np.int64)
+    top_ids = (tokens[:, None] + slots) % vocab_size
+    top_values = np.broadcast_to(-0.5 - slots.astype(np.float64), (n, k_max))
+    return encode_entries(tokens, np.ones(n, dtype=np.int64), np.full(n, -0.5), top_ids, top_values, ks)
 
 
 @dataclass
@@ -111,6 +125,7 @@ class SyntheticEngine:
         if wait > 0:
             time.sleep(wait)  # the "model": a fixed step time, GIL released
         now_ns = time.time_ns()
+        asking: list[tuple[RequestOutput, int, int]] = []  # (output, token, k): logprobs, a step at a time
         for rid, state in list(self._running.items()):
             p = state.request.sampling
             if state.max_output == 0:  # max_tokens 0: the prompt only
@@ -131,17 +146,22 @@ class SyntheticEngine:
                 finish = "length"
             elif token in state.stop_ids and state.produced >= p.min_tokens:
                 finish, stop_id = "stop", token
-            k = p.logprobs
-            rows = None if k is None else [synthetic_row(token, self.vocab_size if k == -1 else max(k, 1), self.vocab_size)]
-            out = RequestOutput(request_id=rid, token_ids=[token], logprobs=rows, finish_reason=finish,
+            out = RequestOutput(request_id=rid, token_ids=[token], finish_reason=finish,
                                 stop_token_id=stop_id, num_prompt_tokens=len(state.request.prompt_token_ids),
                                 num_output_tokens=state.produced, sampled_at_ns=now_ns)
+            k = p.logprobs
+            if k is not None:
+                asking.append((out, token, self.vocab_size if k == -1 else max(k, 1)))
             if state.first:
                 state.first = False
                 out.prompt_logprobs = self._prompt_logprobs(state.request)
             outputs.append(out)
             if finish is not None:
                 self._finish(rid)
+        if asking:
+            outs, tokens, ks = zip(*asking)
+            for out, entry in zip(outs, synthetic_entries(list(tokens), list(ks), self.vocab_size)):
+                out.logprobs = [entry]
         return outputs
 
     def _prompt_logprobs(self, request: GenerateRequest) -> list | None:
