@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,3 +98,17 @@ def test_synthetic_entries_are_the_synthetic_rows():
     tokens, ks = [3, 1999, 500, 42], [1, 5, 5, 20]
     got = synthetic_entries(tokens, ks, 2000)
     assert [decode_entry(e) for e in got] == [synthetic_row(t, k, 2000).content() for t, k in zip(tokens, ks)]
+
+
+def test_the_one_copy_off_the_cpu_gives_the_arrays_the_cpu_path_reads():
+    """The engine's host arrays off the CPU come from one packed copy (`_packed_copy`); on
+    CPU tensors both ways must give the same values and types."""
+    from workers.generate.logprobs import _arrays_to_host, _packed_copy
+
+    tensors = (torch.tensor([3, 70_000]), torch.tensor([-0.25, FLOOR], dtype=torch.float32),
+               torch.tensor([[1, 2], [3, 4]]), torch.tensor([[-0.5, -1.5], [-2.5, -3.5]], dtype=torch.float32))
+    direct = _arrays_to_host(*tensors)
+    packed = [part.numpy() for part in _packed_copy(tensors)]
+    for a, b in zip(direct, packed):
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
+    assert [a.dtype for a in direct] == [np.int64, np.float64, np.int64, np.float64]

@@ -186,16 +186,28 @@ def _to_host(*tensors: Tensor) -> list[list]:
 
 def _packed_to_host(tensors: Sequence[Tensor]) -> list[list]:
     """`_to_host` off the CPU: one int64 tensor on the tensors' device, one copy."""
+    return [part.tolist() for part in _packed_copy(tensors)]
+
+
+def _packed_copy(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors on the host (ints int64, floats float64) from ONE copy of one int64 tensor."""
     dev = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
     parts = [(t.double() if t.is_floating_point() else t.to(torch.int64)).to(dev).reshape(-1) for t in tensors]
     flat = torch.cat([p if p.dtype == torch.int64 else p.view(torch.int64) for p in parts]).cpu()
-    lists, at = [], 0
+    out, at = [], 0
     for t in tensors:
         part = flat[at : at + t.numel()]
         at += t.numel()
         part = part.view(torch.float64) if t.is_floating_point() else part
-        lists.append(part.view(t.shape).tolist())
-    return lists
+        out.append(part.view(t.shape))
+    return out
+
+
+def _arrays_to_host(*tensors: Tensor) -> list[np.ndarray]:
+    """`_to_host` as numpy arrays (ints int64, floats float64), in ONE copy off the CPU."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [(t.double() if t.is_floating_point() else t.to(torch.int64)).numpy() for t in tensors]
+    return [part.numpy() for part in _packed_copy(tensors)]
 
 
 def logprobs_to_host(t: LogprobTensors) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
@@ -249,23 +261,22 @@ def step_to_entries(
     (`encode_entries`): what the engine emits, and what the worker puts into chunk
     records as it is."""
     ids, rows, host = _step_rows(logits, sampled, ks, processed)
+    return ids, _entries(ids, rows, host)
+
+
+def _entries(ids: list[int], rows: list[int], host) -> list[bytes | None]:
     out: list[bytes | None] = [None] * len(ids)
     if host is not None:
         eff, ranks, values, top_ids, top_values = host
-        k_max = max(eff)
-        # Rows are k_max (+1 on the CPU path) long: one [n, k_max] table each.
-        table_ids = np.array([t[:k_max] for t in top_ids], dtype=np.int64).reshape(len(rows), k_max)
-        table_values = np.array([t[:k_max] for t in top_values], dtype=np.float64).reshape(len(rows), k_max)
-        entries = encode_entries(np.array([ids[i] for i in rows], dtype=np.int64), np.array(ranks, dtype=np.int64),
-                                 np.array(values, dtype=np.float64), table_ids, table_values, eff)
-        for i, entry in zip(rows, entries):
+        sampled = np.array(ids if len(rows) == len(ids) else [ids[i] for i in rows], dtype=np.int64)
+        for i, entry in zip(rows, encode_entries(sampled, ranks, values, top_ids, top_values, eff)):
             out[i] = entry
-    return ids, out
+    return out
 
 
 def _step_rows(logits: Tensor, sampled: Tensor, ks: Sequence[int | None], processed: Tensor | None):
     """The sampled ids, the rows that asked for logprobs and, if any did, their host
-    lists: (effective ks, ranks, values, top ids, top values); top lists >= k long."""
+    arrays: (effective ks, ranks [n], values [n], top ids [n, k_max], top values [n, k_max])."""
     src = logits if processed is None else processed
     b, vocab = src.shape
     if len(ks) != b:
@@ -284,9 +295,10 @@ def _step_rows(logits: Tensor, sampled: Tensor, ks: Sequence[int | None], proces
     # 16-bit logits tie too often for the CPU short path to pay (most rows redone).
     if _device_kind(src.device) == "cpu" and src.dtype.itemsize >= 4 and 0 < k_max < vocab:
         ids = sampled.tolist()
-        rows_data = _rows_cpu(sel_src, sel_sampled, [ids[i] for i in rows], k_max)
+        rows_data = _rows_cpu(sel_src, sel_sampled, k_max)
     else:
-        ids, *rows_data = _to_host(sampled, *_rows_exact(sel_src, sel_sampled, k_max))
+        sampled_host, *rows_data = _arrays_to_host(sampled, *_rows_exact(sel_src, sel_sampled, k_max))
+        ids = sampled_host.tolist()
     return ids, rows, (eff, *rows_data)
 
 
@@ -304,10 +316,8 @@ def _rows_exact(src: Tensor, sampled: Tensor, k_max: int) -> tuple[Tensor, Tenso
     return t.sampled_rank, wire(t.sampled_logprob), t.top_ids, wire(t.top_logprobs)
 
 
-def _rows_cpu(
-    src: Tensor, sampled: Tensor, sampled_ids: list[int], k_max: int
-) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
-    """`_rows_exact` as lists for CPU tensors: the same result with a third of the ops.
+def _rows_cpu(src: Tensor, sampled: Tensor, k_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_rows_exact` on the host for CPU tensors: the same result with a third of the ops.
 
     Reading a CPU tensor costs no sync, so the common case takes a short path and the
     host sends the rare rows back to the exact one. One `_topk_cpu` gives the k_max+1
@@ -323,39 +333,28 @@ def _rows_cpu(
     vals.clamp_(min=FLOOR, max=0.0)
     # Sorted values: a row is safe when they strictly decrease. A tie, two values the
     # clamp made equal, or NaN (a NaN row is NaN throughout; NaN > x is false) breaks it.
-    safe = (vals[:, :-1] > vals[:, 1:]).all(dim=1).tolist()
-    top_ids = ids.tolist()
-    top_values = vals.tolist()
-    ranks: list[int] = []
-    values: list[float] = []
-    redo, recount = [], []
-    for j, (sid, tids, tvals) in enumerate(zip(sampled_ids, top_ids, top_values)):
-        if not safe[j]:  # a NaN row, or equal top values
-            redo.append(j)
-            ranks.append(0)
-            values.append(FLOOR)
-            continue
-        try:
-            pos = tids.index(sid, 0, k_max)
-        except ValueError:
-            recount.append(j)
-            ranks.append(0)
-            values.append(FLOOR)
-        else:
-            ranks.append(pos + 1)
-            values.append(tvals[pos])
-    if recount:
-        r = torch.tensor(recount)
+    safe = (vals[:, :-1] > vals[:, 1:]).all(dim=1).numpy()
+    top_ids = ids[:, :k_max]
+    hit = top_ids == sampled.view(-1, 1)
+    found = hit.any(dim=1).numpy()
+    pos = hit.to(torch.uint8).argmax(dim=1).numpy()  # the sampled id's slot, where found
+    top_ids = top_ids.numpy().copy()
+    top_values = vals[:, :k_max].double().numpy()
+    n = len(safe)
+    ranks = np.where(safe & found, pos + 1, 0)
+    values = np.where(safe & found, top_values[np.arange(n), pos], FLOOR)
+    recount = np.flatnonzero(safe & ~found)
+    if len(recount):
+        r = torch.from_numpy(recount)
         lp_r = lp.index_select(0, r)
         sampled_lp = lp_r.gather(1, sampled.index_select(0, r).view(-1, 1))
-        counts = (lp_r >= sampled_lp).sum(dim=-1).tolist()
-        for j, count, value in zip(recount, counts, sampled_lp.clamp_(min=FLOOR, max=0.0).view(-1).tolist()):
-            ranks[j], values[j] = count, value
-    if redo:
-        r = torch.tensor(redo)
-        exact = _to_host(*_rows_exact(src.index_select(0, r), sampled.index_select(0, r), k_max))
-        for j, rank, value, tids, tvals in zip(redo, *exact):
-            ranks[j], values[j], top_ids[j], top_values[j] = rank, value, tids, tvals
+        ranks[recount] = (lp_r >= sampled_lp).sum(dim=-1).numpy()
+        values[recount] = sampled_lp.clamp_(min=FLOOR, max=0.0).view(-1).double().numpy()
+    redo = np.flatnonzero(~safe)  # a NaN row, or equal top values
+    if len(redo):
+        r = torch.from_numpy(redo)
+        exact = _arrays_to_host(*_rows_exact(src.index_select(0, r), sampled.index_select(0, r), k_max))
+        ranks[redo], values[redo], top_ids[redo], top_values[redo] = exact
     return ranks, values, top_ids, top_values
 
 
@@ -364,13 +363,14 @@ def _assemble(
     rows: Sequence[int],
     eff: Sequence[int],
     ids: list[int],
-    ranks: list[int],
-    values: list[float],
-    top_ids: list[list[int]],
-    top_values: list[list[float]],
+    ranks: np.ndarray,
+    values: np.ndarray,
+    top_ids: np.ndarray,
+    top_values: np.ndarray,
 ) -> None:
-    """RowLogprobs for `rows` from host lists (top lists >= k long; values wire-safe)."""
-    for i, k, rank, value, tids, tvals in zip(rows, eff, ranks, values, top_ids, top_values):
+    """RowLogprobs for `rows` from the host arrays (top rows >= k long; values wire-safe)."""
+    for i, k, rank, value, tids, tvals in zip(rows, eff, ranks.tolist(), values.tolist(), top_ids.tolist(),
+                                              top_values.tolist()):
         del tids[k:], tvals[k:]  # the lists are ours: cut in place to this row's k
         out[i] = RowLogprobs(ids[i], rank, value, tids, tvals)
 
