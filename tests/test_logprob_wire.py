@@ -41,17 +41,17 @@ def steps(draw):
         rank = 0 if nan_row else draw(st.integers(1, vocab))
         value = FLOOR if nan_row else draw(st.floats(-9999.0, 0.0))
         rows.append((sid, rank, value, top, values, k_all if one_k else draw(st.integers(0, k_max))))
-    return k_max, rows
+    return k_max, rows, draw(st.sampled_from([None, vocab]))  # the ints' width: scanned, or from the vocabulary
 
 
 @settings(max_examples=300, deadline=None)
 @given(steps())
 def test_every_row_decodes_to_the_reference_entry(step):
-    k_max, rows = step
+    k_max, rows, vocab_size = step
     sids, ranks, values, tops, top_values, ks = zip(*rows)
     got = encode_entries(np.array(sids), np.array(ranks), np.array(values, dtype=np.float64),
                          np.array(tops, dtype=np.int64).reshape(len(rows), k_max),
-                         np.array(top_values, dtype=np.float64).reshape(len(rows), k_max), list(ks))
+                         np.array(top_values, dtype=np.float64).reshape(len(rows), k_max), list(ks), vocab_size)
     assert [decode_entry(entry) for entry in got] == [reference(*row) for row in rows]
 
 
@@ -75,7 +75,7 @@ def test_a_chunk_with_encoded_entries_decodes_like_one_built_from_structs():
 
 
 def test_a_long_chunk_gets_a_long_array_header():
-    entries = synthetic_entries(list(range(3, 23)), [2] * 20, 2000)  # 20 positions: past a fixarray
+    entries = [bytes(e) for e in synthetic_entries(list(range(3, 23)), [2] * 20, 2000)]  # 20: past a fixarray
     content = msgspec.msgpack.decode(msgspec.msgpack.encode(logprobs_raw(entries)), type=GenerateLogProbs).content
     assert [c.token_id for c in content] == list(range(3, 23))
 

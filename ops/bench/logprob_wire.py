@@ -32,10 +32,11 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from schemas.records import GenerateLogProbs  # noqa: E402
-from workers.generate.logprob_entries import RowLogprobs, logprobs_raw  # noqa: E402
+from workers.generate.logprob_entries import RowLogprobs, encode_pending, logprobs_raw  # noqa: E402
 from workers.generate.logprobs import _assemble, _entries, _step_rows  # noqa: E402
 
 CHUNK = 10
+VOCAB = 32000  # --vocab (set by main)
 
 
 class _Rows(msgspec.Struct, array_like=True):  # a step's logprobs on the pipe (encoded as a list)
@@ -51,6 +52,7 @@ class _ByteRows(msgspec.Struct, array_like=True):  # ... decoded by the contende
 
 
 _encode = msgspec.msgpack.Encoder().encode
+_encode_pending = msgspec.msgpack.Encoder(enc_hook=encode_pending).encode
 _decode_structs = msgspec.msgpack.Decoder(_StructRows).decode
 _decode_bytes = msgspec.msgpack.Decoder(_ByteRows).decode
 
@@ -71,8 +73,8 @@ def reference(host_step) -> tuple[float, float, list[bytes]]:
 def contender(host_step) -> tuple[float, float, list[bytes]]:
     ids, rows, host = host_step
     t0 = time.process_time()
-    out = _entries(ids, rows, host)  # step_to_entries after the device work
-    wire = _encode(_Rows(out))
+    out = _entries(ids, rows, host, VOCAB)  # step_to_entries after the device work
+    wire = _encode_pending(_Rows(out))  # the outbox thread's encode: the entries' too
     t1 = time.process_time()
     got = _decode_bytes(wire).rows
     chunks = [_encode(logprobs_raw(got[i:i + CHUNK])) for i in range(0, len(got), CHUNK)]
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
+    global VOCAB
+    VOCAB = args.vocab
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     steps = [torch.randn(args.batch, args.vocab, generator=g) * 3 for _ in range(args.steps)]

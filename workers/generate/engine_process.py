@@ -42,6 +42,7 @@ from schemas.errors import ValidationError
 from schemas.records import GenerateRequest
 from schemas.validation import validate_request
 from workers.generate.engine_thread import EngineThread, engine_limits
+from workers.generate.logprob_entries import encode_pending
 from workers.generate.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-_encode = msgspec.msgpack.Encoder().encode
+# enc_hook: a step's logprob entries are encoded here, in the outbox thread, the whole
+# step at once (workers/generate/logprob_wire.py StepEntries), not inside the step.
+_encode = msgspec.msgpack.Encoder(enc_hook=encode_pending).encode
 _decode_to_child = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
 _decode_from_child = msgspec.msgpack.Decoder(Ready | Step | Failed).decode
 

@@ -9,11 +9,14 @@ rules (docs/design.md §4 "Logprobs, per position") that the unit tests pin the 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import msgspec
 
 from schemas.records import GenerateLogProb, GenerateLogProbsContent
+
+if TYPE_CHECKING:
+    from workers.generate.logprob_wire import StepEntries
 
 FLOOR = -9999.0  # the lowest value on the wire; NaN and -inf become this
 _SLOTS = tuple(range(1, 1 << 16))  # the rank of top slot j is j + 1 (sliced, never built per row)
@@ -84,9 +87,9 @@ def logprobs_raw(entries: Sequence[bytes]) -> msgspec.Raw:
     return msgspec.Raw(b"".join((b"\x81\xa7content", msgpack_array_header(len(entries)), *entries)))
 
 
-def decode_entry(data: bytes) -> GenerateLogProbsContent:
+def decode_entry(data: bytes | PendingEntry) -> GenerateLogProbsContent:
     """An encoded entry as the struct (tests, and tools that inspect engine outputs)."""
-    return _decode_entry(data)
+    return _decode_entry(bytes(data))
 
 
 _decode_entry = msgspec.msgpack.Decoder(GenerateLogProbsContent).decode
@@ -137,3 +140,31 @@ def build_position(
         v, r = _wire(float(top_logprobs[j]), j + 1)
         entries.append(GenerateLogProb(token_id=tid, logprob=v, rank=r))
     return GenerateLogProbsContent(token_id=sampled_id, logprob=value, rank=rank, top_logprobs=entries)
+
+
+class PendingEntry:
+    """Row `j` of a step's entries (logprob_wire.py `StepEntries`): `bytes(entry)` is its
+    encoding, made with the rest of the step's the first time one is asked for."""
+
+    __slots__ = ("step", "j")
+
+    def __init__(self, step: StepEntries, j: int):
+        self.step, self.j = step, j
+
+    def __bytes__(self) -> bytes:
+        return self.step.entry(self.j)
+
+
+def encode_pending(value):
+    """msgspec `enc_hook`: a PendingEntry goes on the wire as its bytes."""
+    if type(value) is PendingEntry:
+        return value.step.entry(value.j)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+def resolve_pending(outputs) -> None:
+    """Replace the outputs' pending entries with their bytes (an engine in the worker's own
+    process: its outputs reach the chunk builder without crossing the pipe's encoder)."""
+    for out in outputs:
+        if out.logprobs and type(out.logprobs[0]) is PendingEntry:
+            out.logprobs = [bytes(entry) for entry in out.logprobs]

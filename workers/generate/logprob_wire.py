@@ -24,7 +24,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from workers.generate.logprob_entries import RowLogprobs, msgpack_array_header
+from workers.generate.logprob_entries import PendingEntry, RowLogprobs, msgpack_array_header
 
 _MAP4, _MAP3, _FLOAT64 = b"\x84", b"\x83", b"\xcb"
 _KEY_ID, _KEY_LOGPROB, _KEY_RANK, _KEY_TOP = b"\xa8token_id", b"\xa7logprob", b"\xa4rank", b"\xactop_logprobs"
@@ -64,22 +64,24 @@ def _row_template(top: int, width: int, fixint_ranks: bool) -> np.ndarray:
 
 
 def encode_entries(sampled_ids: np.ndarray, ranks: np.ndarray, values: np.ndarray, top_ids: np.ndarray,
-                   top_values: np.ndarray, ks: Sequence[int]) -> list[bytes]:
+                   top_values: np.ndarray, ks: Sequence[int], vocab_size: int | None = None) -> list[bytes]:
     """The msgpack encoding of each row's wire entry (what `RowLogprobs(...).content()`
     encodes to), for a step's n rows at once: sampled ids, >=-rule ranks (0: a NaN row),
     wire-safe values ([n] each), top ids and values in rank order ([n, >= max(ks)]), and
-    each row's k (>= 0, already cut to the vocabulary)."""
+    each row's k (>= 0, already cut to the vocabulary). With `vocab_size` (ids are below
+    it, ranks at most it) the ints' width comes from it instead of a scan of the values."""
     n = len(sampled_ids)
     out: list[bytes] = [b""] * n
     first = ks[0] if n else 0
     if ks.count(first) == n and ranks.all():  # the usual step: one k, no NaN row
-        _encode_group(out, None, first, sampled_ids, ranks, values, top_ids, top_values)
+        _encode_group(out, None, first, sampled_ids, ranks, values, top_ids, top_values, vocab_size)
         return out
     ks_array = np.asarray(ks)
     for k in np.unique(ks_array).tolist():
         rows = np.flatnonzero((ks_array == k) & (ranks != 0))
         if len(rows):
-            _encode_group(out, rows, k, sampled_ids[rows], ranks[rows], values[rows], top_ids[rows], top_values[rows])
+            _encode_group(out, rows, k, sampled_ids[rows], ranks[rows], values[rows], top_ids[rows], top_values[rows],
+                          vocab_size)
     for i in np.flatnonzero(ranks == 0).tolist():  # NaN: another shape (rank None), and rare
         k = ks[i]
         row = RowLogprobs(int(sampled_ids[i]), 0, float(values[i]), tuple(top_ids[i, :k].tolist()),
@@ -89,12 +91,12 @@ def encode_entries(sampled_ids: np.ndarray, ranks: np.ndarray, values: np.ndarra
 
 
 def _encode_group(out: list[bytes], rows: np.ndarray | None, k: int, sid: np.ndarray, rank: np.ndarray,
-                  value: np.ndarray, top_ids: np.ndarray, top_values: np.ndarray) -> None:
+                  value: np.ndarray, top_ids: np.ndarray, top_values: np.ndarray, vocab_size: int | None) -> None:
     """Rows (`rows` of `out`, None: all) that have one k and a rank: one structured
     array, one `tobytes`."""
     n = len(sid)
     top = max(k, 1) - 1  # top entries after the sampled one: the top k without it, cut to max(k, 1)
-    largest = max(int(sid.max()), int(rank.max()), k)
+    largest = max(vocab_size, k) if vocab_size else max(int(sid.max()), int(rank.max()), k)
     if top:
         tids = top_ids[:, :k]
         # The sampled id's slot is dropped (the ids of a row are distinct), else the last.
@@ -102,7 +104,8 @@ def _encode_group(out: list[bytes], rows: np.ndarray | None, k: int, sid: np.nda
         drop[:, -1] |= ~drop.any(axis=1)
         keep = ~drop
         kept_ids = tids[keep].reshape(n, top)
-        largest = max(largest, int(kept_ids.max()))
+        if not vocab_size:
+            largest = max(largest, int(kept_ids.max()))
     table = np.repeat(_row_template(top, 2 if largest <= 0xFFFF else 4, k <= _FIXINT_MAX), n)
     for part in ("content", "sampled"):  # the content's own fields, then its sampled entry's: the same
         fields = table[part]
@@ -110,7 +113,7 @@ def _encode_group(out: list[bytes], rows: np.ndarray | None, k: int, sid: np.nda
     if top:
         entries = table["top"]
         entries["id"], entries["lp"] = kept_ids, top_values[:, :k][keep].reshape(n, top)
-        entries["rank"] = _slots(n, k)[keep].reshape(n, top)
+        entries["rank"] = (keep.nonzero()[1] + 1).reshape(n, top)  # slot j has rank j + 1
     # Each row's bytes, cut in C ("V": raw bytes kept whole, where "S" would drop trailing NULs).
     encoded = table.view(f"V{table.itemsize}").tolist()
     if rows is None:
@@ -120,6 +123,26 @@ def _encode_group(out: list[bytes], rows: np.ndarray | None, k: int, sid: np.nda
             out[i] = data
 
 
-def _slots(n: int, k: int) -> np.ndarray:
-    """[n, k]: slot j's rank, j + 1, in every row (a broadcast view: nothing allocated)."""
-    return np.broadcast_to(np.arange(1, k + 1, dtype=np.int64), (n, k))
+class StepEntries:
+    """A step's logprob rows on the host, encoded (`encode_entries`) the first time one of
+    them is asked for, all at once. The engine makes one per step and hands each output a
+    `PendingEntry`, so the encoding happens where the step is sent (the engine process's
+    outbox thread, while the engine runs its next step: `encode_pending`), not inside
+    the step: at batch 32, k=20 it was ~0.1 ms of a 7 ms CPU step (ops/bench/engine.py)."""
+
+    __slots__ = ("_args", "_encoded")
+
+    def __init__(self, sampled_ids: np.ndarray, ranks: np.ndarray, values: np.ndarray, top_ids: np.ndarray,
+                 top_values: np.ndarray, ks: Sequence[int], vocab_size: int | None = None):
+        self._args = (sampled_ids, ranks, values, top_ids, top_values, ks, vocab_size)
+        self._encoded: list[bytes] | None = None
+
+    def entry(self, j: int) -> bytes:
+        if self._encoded is None:
+            self._encoded = encode_entries(*self._args)
+            self._args = None  # the arrays are not needed once encoded
+        return self._encoded[j]
+
+
+def pending_entries(step: StepEntries, n: int) -> list[PendingEntry]:
+    return [PendingEntry(step, j) for j in range(n)]

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from schemas.records import GenerateLogProbsContent
 from workers.generate.logprob_entries import FLOOR, RowLogprobs, contents
-from workers.generate.logprob_wire import encode_entries
+from workers.generate.logprob_wire import PendingEntry, StepEntries, pending_entries
 
 PROMPT_BLOCK_ELEMS = 1 << 25  # rows x vocab per prompt-logprobs block (~128 MiB float32)
 
@@ -256,20 +256,21 @@ def step_to_entries(
     sampled: Tensor,
     ks: Sequence[int | None],
     processed: Tensor | None = None,
-) -> tuple[list[int], list[bytes | None]]:
-    """step_to_host with each entry as its msgpack encoding, the whole step at once
-    (`encode_entries`): what the engine emits, and what the worker puts into chunk
-    records as it is."""
+) -> tuple[list[int], list[PendingEntry | None]]:
+    """step_to_host with each entry as its msgpack encoding (`bytes(entry)`), the whole
+    step's encoded at once when first asked for (logprob_wire.py `StepEntries`): what the
+    engine emits, and what the worker puts into chunk records as it is."""
     ids, rows, host = _step_rows(logits, sampled, ks, processed)
-    return ids, _entries(ids, rows, host)
+    return ids, _entries(ids, rows, host, logits.shape[-1])
 
 
-def _entries(ids: list[int], rows: list[int], host) -> list[bytes | None]:
-    out: list[bytes | None] = [None] * len(ids)
+def _entries(ids: list[int], rows: list[int], host, vocab_size: int) -> list[PendingEntry | None]:
+    out: list[PendingEntry | None] = [None] * len(ids)
     if host is not None:
         eff, ranks, values, top_ids, top_values = host
         sampled = np.array(ids if len(rows) == len(ids) else [ids[i] for i in rows], dtype=np.int64)
-        for i, entry in zip(rows, encode_entries(sampled, ranks, values, top_ids, top_values, eff)):
+        step = StepEntries(sampled, ranks, values, top_ids, top_values, eff, vocab_size)
+        for i, entry in zip(rows, pending_entries(step, len(rows))):
             out[i] = entry
     return out
 
@@ -333,16 +334,21 @@ def _rows_cpu(src: Tensor, sampled: Tensor, k_max: int) -> tuple[np.ndarray, np.
     vals.clamp_(min=FLOOR, max=0.0)
     # Sorted values: a row is safe when they strictly decrease. A tie, two values the
     # clamp made equal, or NaN (a NaN row is NaN throughout; NaN > x is false) breaks it.
-    safe = (vals[:, :-1] > vals[:, 1:]).all(dim=1).numpy()
-    top_ids = ids[:, :k_max]
-    hit = top_ids == sampled.view(-1, 1)
-    found = hit.any(dim=1).numpy()
-    pos = hit.to(torch.uint8).argmax(dim=1).numpy()  # the sampled id's slot, where found
-    top_ids = top_ids.numpy().copy()
-    top_values = vals[:, :k_max].double().numpy()
+    # On the host from here (numpy: a small op costs a fraction of a torch one, which
+    # counts at small batches); the tensors' memory is read in place.
+    all_values = vals.numpy()
+    safe = (all_values[:, :-1] > all_values[:, 1:]).all(axis=1)
+    top_ids = ids.numpy()[:, :k_max].copy()
+    top_values = all_values[:, :k_max].astype(np.float64)
+    hit = top_ids == sampled.numpy()[:, None]
+    found = hit.any(axis=1)
+    pos = hit.argmax(axis=1)  # the sampled id's slot, where found
     n = len(safe)
+    values = top_values[np.arange(n), pos]
+    if safe.all() and found.all():  # the usual step (ops on a few rows cost more than their data)
+        return pos + 1, values, top_ids, top_values
     ranks = np.where(safe & found, pos + 1, 0)
-    values = np.where(safe & found, top_values[np.arange(n), pos], FLOOR)
+    values = np.where(safe & found, values, FLOOR)
     recount = np.flatnonzero(safe & ~found)
     if len(recount):
         r = torch.from_numpy(recount)

@@ -20,8 +20,9 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     # collector's view, a list is not); the engine builds lists, which encode the same.
     token_ids: tuple[int, ...]  # 0 or 1 new ids
     # Aligned with token_ids, if asked: each position's GenerateLogProbsContent as msgpack,
-    # encoded by the engine a step at a time (logprob_entries.encode_entries), which the
-    # worker puts into its chunk records as it is (logprobs_raw).
+    # which the worker puts into its chunk records as it is (logprobs_raw). The engine
+    # hands over PendingEntry objects, encoded a step at a time as the step is sent
+    # (logprob_wire.py StepEntries; the pipe's enc_hook), so bytes once decoded.
     logprobs: tuple[bytes, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop_token_ids entry (or secondary EOS) that ended it

@@ -13,6 +13,7 @@ from schemas import Cancel, RecordError
 from workers.generate.admission import WaitingQueue
 from workers.generate.engine_process import EngineProcess, make_engine
 from workers.generate.engine_thread import EngineThread
+from workers.generate.logprob_entries import resolve_pending
 from workers.generate.chunks import W, ChunkPolicy
 from workers.generate.worker import GenerateHandler
 from workers.kafka.follow import follow
@@ -123,6 +124,7 @@ class EngineOutputs:
     def deliver(self, outputs: list, step_s: float) -> None:
         """On an engine thread of this process: waits for room, then hands the step over."""
         _observe(outputs, step_s)
+        resolve_pending(outputs)  # the logprob entries as bytes, here off the event loop
         if outputs or self.engine.failure is not None:
             while not self._room.acquire(timeout=0.5):
                 if self.loop.is_closed():

@@ -28,7 +28,7 @@ from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.generate.admission import queue_by_priority
 from workers.generate.inbox import Inbox
 from workers.generate.logprob_entries import RowLogprobs
-from workers.generate.logprob_wire import encode_entries
+from workers.generate.logprob_wire import PendingEntry, StepEntries, pending_entries
 from workers.generate.model_runner import ModelInfo
 from workers.generate.outputs import RequestOutput
 
@@ -51,16 +51,18 @@ def synthetic_row(token_id: int, k: int, vocab_size: int) -> RowLogprobs:
     return RowLogprobs(token_id, 1, -0.5, [token_id, *others], [-0.5 - j for j in range(k)])
 
 
-def synthetic_entries(token_ids: list[int], ks: list[int], vocab_size: int) -> list[bytes]:
+def synthetic_entries(token_ids: list[int], ks: list[int], vocab_size: int) -> list[PendingEntry]:
     """`synthetic_row`'s entries for a step's rows (row i: token_ids[i], with ks[i] top
-    entries), encoded as the real engine encodes a step's (logprob_wire.py), so the
-    engine child and the worker pay what they pay for a model's logprobs."""
+    entries), encoded as the real engine encodes a step's (logprob_wire.py: `bytes(entry)`,
+    the whole step at once when first asked for), so the engine child and the worker pay
+    what they pay for a model's logprobs."""
     n, k_max = len(token_ids), max(ks)
     tokens = np.asarray(token_ids, dtype=np.int64)
     slots = np.arange(k_max, dtype=np.int64)
     top_ids = (tokens[:, None] + slots) % vocab_size
     top_values = np.broadcast_to(-0.5 - slots.astype(np.float64), (n, k_max))
-    return encode_entries(tokens, np.ones(n, dtype=np.int64), np.full(n, -0.5), top_ids, top_values, ks)
+    step = StepEntries(tokens, np.ones(n, dtype=np.int64), np.full(n, -0.5), top_ids, top_values, ks, vocab_size)
+    return pending_entries(step, n)
 
 
 @dataclass
