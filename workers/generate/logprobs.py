@@ -7,8 +7,10 @@ on the device too (NaN and -inf → -9999.0, everything clamped to >= -9999.0), 
 `step_to_host` moves the B sampled ids, ranks and values and the [B, k_max] top
 ids/values to the host in ONE copy: a device→host copy is a full stream sync, so the
 cost of logprobs is the number of copies, not the FLOPs. The host only assembles the
-structs (`RowLogprobs.content` in logprob_entries.py, called where the chunk is
-encoded): sampled id first, one list scan to drop its duplicate, the cut to max(k, 1). On the CPU, where reading a tensor is free, `_rows_cpu` takes a shorter
+entries (sampled id first, its duplicate dropped, the cut to max(k, 1)) from numpy arrays
+of that copy: the engine's `step_to_entries` as msgpack, a step at a time
+(logprob_wire.py), and `step_to_host` as structs (`RowLogprobs.content`, the reference;
+prompt logprobs). On the CPU, where reading a tensor is free, `_rows_cpu` takes a shorter
 path for the common rows and sends the rest back to the exact one.
 
 Tie rule: top entries are ordered by (logprob desc, token id asc), NaN counting as
@@ -18,9 +20,9 @@ sum), which the host sees as rank 0: every entry -9999.0 with rank None.
 
 Engine usage, one decode step:
 
-    ids, positions = step_to_host(raw_logits, sampled, [req.k for req in batch])
+    ids, entries = step_to_entries(raw_logits, sampled, [req.k for req in batch])
 
-`batch_positions` is the same without the ids. `raw_logits` must be the model's logits
+`batch_positions` is `step_to_host` (structs) without the ids. `raw_logits` must be the model's logits
 before min_tokens suppression and before temperature/top-k/top-p (vLLM's raw
 logprobs); pass `processed=` to switch to processed logprobs. Rows whose k is None
 cost nothing.
