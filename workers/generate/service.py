@@ -124,7 +124,6 @@ class EngineOutputs:
     def deliver(self, outputs: list, step_s: float) -> None:
         """On an engine thread of this process: waits for room, then hands the step over."""
         _observe(outputs, step_s)
-        resolve_pending(outputs)  # the logprob entries as bytes, here off the event loop
         if outputs or self.engine.failure is not None:
             while not self._room.acquire(timeout=0.5):
                 if self.loop.is_closed():
@@ -175,7 +174,11 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
             except Exception as exc:
                 raise StartupError(f"cannot load the model {config.model or '(built-in tiny)'}: "
                                    f"{type(exc).__name__}: {one_line(exc)}") from exc
-        outputs.engine = EngineThread(engine, outputs.deliver, min_step_s=config.min_step_s)
+        def deliver(step: list, step_s: float) -> None:
+            resolve_pending(step)  # the logprob entries as bytes, on the engine thread: no pipe encodes them
+            outputs.deliver(step, step_s)
+
+        outputs.engine = EngineThread(engine, deliver, min_step_s=config.min_step_s)
         outputs.engine.start()  # idle until the first request arrives
 
     def make_handler(publisher, offsets):
