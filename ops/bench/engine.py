@@ -100,7 +100,9 @@ def logprob_time(engine: Engine, work, logprobs: int | None) -> tuple[float, flo
     also times the logprob work inside the steps that do it: the same steps, no drift.
     `step_to_entries` is the one function whose work depends on logprobs (without them it
     only reads the sampled ids); off the CPU the queue is drained before each call so
-    that its time is its own, not the forward's.
+    that its time is its own, not the forward's. The entries' msgpack encoding is not
+    in it: a worker's engine process encodes them where the step is sent, in its outbox
+    thread beside the next step (ops/bench/logprob_wire.py measures that).
     """
     import workers.generate.engine as engine_module
 

@@ -2,8 +2,9 @@
 
 The worker puts each token's entry into a chunk record, and building its k+1 structs
 to encode them was the worker's largest cost at k=5 (~30% of its loop, py-spy). The
-engine writes the same entries straight to msgpack instead, for a whole step
-(`encode_entries`, in the engine process; logprobs.py `step_to_entries`), and the worker
+same entries are written straight to msgpack instead, a whole step at once
+(`encode_entries`), in the engine process where the step is sent (`StepEntries`: the
+engine hands over `PendingEntry`s, logprobs.py `step_to_entries`), and the worker
 copies them into its records as they are (`logprob_entries.logprobs_raw`).
 
 Every entry of a row has a fixed layout (a map of token_id, logprob and rank; the
@@ -128,7 +129,7 @@ class StepEntries:
     them is asked for, all at once. The engine makes one per step and hands each output a
     `PendingEntry`, so the encoding happens where the step is sent (the engine process's
     outbox thread, while the engine runs its next step: `encode_pending`), not inside
-    the step: at batch 32, k=20 it was ~0.1 ms of a 7 ms CPU step (ops/bench/engine.py)."""
+    the step: at batch 32, k=20 it was ~0.13 ms of a 7 ms CPU step (ops/bench/engine.py)."""
 
     __slots__ = ("_args", "_encoded")
 
