@@ -150,6 +150,46 @@ def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
     assert received == [float(n) for n in range(30)]
 
 
+def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_ones(monkeypatch):
+    """A small step with nothing queued is written by the engine thread itself (its
+    tokens skip the hand-over to the outbox thread: low-load latency); one that comes
+    while bigger steps still wait for the worker to read goes behind them."""
+    import multiprocessing
+
+    from workers.generate import engine_process
+    from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
+    from workers.generate.outputs import RequestOutput
+
+    writers: dict[float, str] = {}
+    real_write = engine_process.write_frame
+
+    def write_frame(conn, payload):
+        writers[_decode_from_child(payload).step_s] = threading.current_thread().name
+        real_write(conn, payload)
+
+    monkeypatch.setattr(engine_process, "write_frame", write_frame)
+
+    def small(n: int):
+        return Step([RequestOutput(request_id=f"s-{n}", token_ids=[n])], float(n))
+
+    def big(n: int):  # two outputs (over direct_max), ~30 KB: two fill the pipe
+        return Step([RequestOutput(request_id=f"b-{n}-{i}", token_ids=list(range(5000, 10000)))
+                     for i in range(2)], float(n))
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=8, direct_max=1)
+    outbox.put(small(0))
+    assert writers == {0.0: threading.current_thread().name}, "a small step with nothing queued was handed over"
+    assert _decode_from_child(read_frame(reader)).step_s == 0.0
+    order = [big(1), big(2), big(3), big(4), big(5), small(6), big(7), small(8)]
+    for step in order:  # nothing reads meanwhile: the pipe fills, the rest queue up (puts do not wait)
+        outbox.put(step)
+    received = [_decode_from_child(read_frame(reader)).step_s for _ in order]
+    assert received == [step.step_s for step in order]
+    assert writers[6.0] == writers[8.0] == "genpipe-engine-outbox"
+    outbox.close()
+
+
 def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
     import multiprocessing
 

@@ -337,15 +337,34 @@ class Outbox:
     "Each stage alone").
     At most `depth` messages wait: past that the engine waits too, as it did on the
     pipe, so a worker that falls behind still slows the engine instead of growing
-    this queue."""
+    this queue.
 
-    def __init__(self, conn, depth: int = 4):
+    A small step (at most `direct_max` outputs) with nothing ahead of it is written by
+    the engine thread itself: its encoding costs the engine a few µs, and its tokens skip
+    the hand-over to the outbox thread (the engine-to-worker hop at low load, p50 0.42 →
+    0.33 ms on 2 vCPUs: BENCHMARKS.md, "Low-load latency: where a token's time goes").
+    A big step still goes through the thread, as above. Order holds: `_lock` is held for
+    every write, and a step goes direct only when every step queued before it is written
+    (`_queued` counts those put and not yet written)."""
+
+    def __init__(self, conn, depth: int = 4, direct_max: int = 8):
         self._conn = conn
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._direct_max = direct_max
+        self._lock = threading.Lock()  # one write at a time; guards _queued and _gone
+        self._queued = 0
+        self._gone = False  # a write failed: the worker is gone
         self._thread = threading.Thread(target=self._run, name="genpipe-engine-outbox", daemon=True)
         self._thread.start()
 
     def put(self, message: Step | Failed) -> None:
+        with self._lock:
+            if self._gone:
+                return  # nothing to send to
+            if self._queued == 0 and isinstance(message, Step) and len(message.outputs) <= self._direct_max:
+                self._write(_encode(message))
+                return
+            self._queued += 1
         while self._thread.is_alive():  # (gone once the worker is: nothing to send to)
             try:
                 self._queue.put(message, timeout=0.1)
@@ -364,12 +383,21 @@ class Outbox:
             return
         self._thread.join(timeout)
 
-    def _run(self) -> None:
+    def _write(self, data: bytes) -> None:
+        """Under `_lock`."""
         try:
-            while (message := self._queue.get()) is not None:
-                write_frame(self._conn, _encode(message))
+            write_frame(self._conn, data)
         except (OSError, ValueError):
-            pass  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
+            self._gone = True  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            data = _encode(message)
+            with self._lock:
+                self._write(data)
+                self._queued -= 1
+                if self._gone:
+                    return
 
 
 def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
