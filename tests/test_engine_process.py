@@ -153,8 +153,11 @@ def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
 def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_ones(monkeypatch):
     """A small step with nothing queued is written by the engine thread itself (its
     tokens skip the hand-over to the outbox thread: low-load latency); one that comes
-    while bigger steps still wait for the worker to read goes behind them."""
+    while bigger steps still wait for the worker to read goes behind them, and putting
+    it never waits on a write the worker is slow to read."""
+    import fcntl
     import multiprocessing
+    import termios
 
     from workers.generate import engine_process
     from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
@@ -172,21 +175,30 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
     def small(n: int):
         return Step([RequestOutput(request_id=f"s-{n}", token_ids=[n])], float(n))
 
-    def big(n: int):  # two outputs (over direct_max), ~30 KB: two fill the pipe
+    def big(n: int):  # two outputs (over direct_max), ~30 KB: two fill most of the pipe
         return Step([RequestOutput(request_id=f"b-{n}-{i}", token_ids=list(range(5000, 10000)))
                      for i in range(2)], float(n))
+
+    def in_pipe() -> int:
+        return int.from_bytes(fcntl.ioctl(reader.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=8, direct_max=1)
     outbox.put(small(0))
     assert writers == {0.0: threading.current_thread().name}, "a small step with nothing queued was handed over"
     assert _decode_from_child(read_frame(reader)).step_s == 0.0
-    order = [big(1), big(2), big(3), big(4), big(5), small(6), big(7), small(8)]
-    for step in order:  # nothing reads meanwhile: the pipe fills, the rest queue up (puts do not wait)
+    first = [big(1), big(2), big(3)]
+    for step in first:
         outbox.put(step)
-    received = [_decode_from_child(read_frame(reader)).step_s for _ in order]
-    assert received == [step.step_s for step in order]
-    assert writers[6.0] == writers[8.0] == "genpipe-engine-outbox"
+    frame = 4 + len(engine_process._encode(big(1)))
+    wait_until(lambda: in_pipe() > 2 * frame)  # nothing reads: the outbox thread now waits inside a write
+    rest = [big(4), small(5), big(6), small(7)]
+    put = threading.Event()
+    threading.Thread(target=lambda: ([outbox.put(step) for step in rest], put.set()), daemon=True).start()
+    assert put.wait(10), "a put waited on a write the worker was not reading"
+    received = [_decode_from_child(read_frame(reader)).step_s for _ in first + rest]
+    assert received == [step.step_s for step in first + rest]
+    assert writers[5.0] == writers[7.0] == "genpipe-engine-outbox"
     outbox.close()
 
 

@@ -343,15 +343,16 @@ class Outbox:
     the engine thread itself: its encoding costs the engine a few µs, and its tokens skip
     the hand-over to the outbox thread (the engine-to-worker hop at low load, p50 0.42 →
     0.33 ms on 2 vCPUs: BENCHMARKS.md, "Low-load latency: where a token's time goes").
-    A big step still goes through the thread, as above. Order holds: `_lock` is held for
-    every write, and a step goes direct only when every step queued before it is written
-    (`_queued` counts those put and not yet written)."""
+    A big step still goes through the thread, as above. Order holds: a step goes direct
+    only when every step queued before it is written (`_queued` counts those put and not
+    yet written; only the engine thread puts). The outbox thread writes without holding
+    `_lock`, so a put never waits on a write the worker is slow to read: it queues."""
 
     def __init__(self, conn, depth: int = 4, direct_max: int = 8):
         self._conn = conn
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._direct_max = direct_max
-        self._lock = threading.Lock()  # one write at a time; guards _queued and _gone
+        self._lock = threading.Lock()  # guards _queued (and a direct write: none runs beside the thread's)
         self._queued = 0
         self._gone = False  # a write failed: the worker is gone
         self._thread = threading.Thread(target=self._run, name="genpipe-engine-outbox", daemon=True)
@@ -384,7 +385,6 @@ class Outbox:
         self._thread.join(timeout)
 
     def _write(self, data: bytes) -> None:
-        """Under `_lock`."""
         try:
             write_frame(self._conn, data)
         except (OSError, ValueError):
@@ -392,12 +392,11 @@ class Outbox:
 
     def _run(self) -> None:
         while (message := self._queue.get()) is not None:
-            data = _encode(message)
+            self._write(_encode(message))
             with self._lock:
-                self._write(data)
                 self._queued -= 1
-                if self._gone:
-                    return
+            if self._gone:
+                return
 
 
 def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
