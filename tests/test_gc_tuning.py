@@ -7,13 +7,15 @@ import gc
 
 import pytest
 
-from workers.gc_tuning import tune_after_startup
+from workers.gc_tuning import YOUNG_THRESHOLD, tune_after_startup
 
 
 @pytest.fixture
 def restore_gc():
+    thresholds = gc.get_threshold()
     yield
     gc.unfreeze()
+    gc.set_threshold(*thresholds)
 
 
 def test_start_up_objects_leave_the_collectors_sight(restore_gc, monkeypatch):
@@ -23,7 +25,28 @@ def test_start_up_objects_leave_the_collectors_sight(restore_gc, monkeypatch):
     assert gc.get_freeze_count() > 0
 
 
+def test_a_loop_turns_objects_are_not_collected_while_alive(restore_gc, monkeypatch):
+    """A worker's loop turn holds thousands of young objects alive (a poll's records and
+    their results): the young generation is collected only past that, not every 700."""
+    monkeypatch.delenv("GENPIPE_GC_TUNING", raising=False)
+    gc.set_threshold(700, 10, 10)  # Python's defaults, whatever ran before
+    assert tune_after_startup()
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+    collections = []
+    gc.callbacks.append(on_collect := lambda phase, info: collections.append(info["generation"]))
+    try:
+        gc.collect()
+        collections.clear()
+        turn = [{"record": i, "headers": [("a", b"b")]} for i in range(3000)]  # ~6,000 alive at once
+        del turn
+    finally:
+        gc.callbacks.remove(on_collect)
+    assert collections == []
+
+
 def test_turned_off_keeps_pythons_defaults(restore_gc, monkeypatch):
     monkeypatch.setenv("GENPIPE_GC_TUNING", "0")
+    gc.set_threshold(700, 10, 10)
     assert not tune_after_startup()
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == (700, 10, 10)

@@ -38,6 +38,10 @@ final chunk read, its ratio to the engine alone: goal (a); how old a chunk is wh
 here, from its `sampled_at_ns`) and `derender` (tokens/s from SIGCONT to the last final
 result, its CPU per token alone with the broker: goal (b)).
 
+With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (absolute: a reference runs in its worktree), each side's rows also give the
+garbage collector's CPU in the generate and derender workers, µs per token, from the end of
+their start-up (what workers/gc_tuning.py is about).
+
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
 same load right before each contender run, and prints the ratio of each stage's CPU per
 token: what the changes since REV bought, measured in one run (with --text ascii or cjk,
@@ -73,6 +77,21 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process (not its children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def collector_seconds(pid: int, since: float) -> float | None:
+    """The collector's CPU seconds in process `pid` since its start-up ended, from
+    ops/bench/gc_probe (when GENPIPE_GC_PROBE is set), once its file is newer than
+    `since` (it is written every second); None without the probe."""
+    if not os.environ.get("GENPIPE_GC_PROBE"):
+        return None
+    path = Path(os.environ["GENPIPE_GC_PROBE"]) / f"{pid}.txt"
+    deadline = time.time() + 5
+    while not path.exists() or path.stat().st_mtime < since:
+        if time.time() > deadline:
+            return None
+        time.sleep(0.1)  # polling for the probe's next write
+    return sum(float(line.split()[3]) for line in path.read_text().splitlines() if line.startswith("gen"))
 
 
 def children(pid: int) -> list[int]:
@@ -120,7 +139,10 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     the generate worker serves its metrics on `metrics_port` (0: none)."""
     common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
               "--log-level", "WARNING"]
-    env = dict(os.environ, PYTHONPATH=str(code)) if code is not None else None
+    # (a reference's own code first; anything already on PYTHONPATH, such as
+    # ops/bench/gc_probe, after it)
+    env = (dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
+           if code is not None else None)
     procs = {}
     gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
     if metrics_port:
@@ -367,6 +389,9 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
                                         log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         held_after = hold_buckets(metrics_port)
+        ended = time.time()
+        # (not the engine child's: it never freezes, so its count would include its start-up)
+        collector = {name: collector_seconds(pids[name], ended) for name in ("gen", "der")}
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
         for proc in procs.values():
@@ -381,7 +406,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
     hold = ((bucket_quantile(0.5, held_before, held_after), bucket_quantile(0.99, held_before, held_after))
             if held_before is not None and held_after is not None else (None, None))
     return {**run, "per": {name: (after[name] - before[name]) / tokens * 1e6 for name in before},
-            "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes, "hold": hold}
+            "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes, "hold": hold,
+            "collector": collector}
 
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
@@ -396,6 +422,9 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
         return (f"{whole:>9,.0f} {(f'{whole / offered:.2f}' if ratio else ''):>6} {steady:>9,.0f} "
                 f"{(f'{steady / offered:.2f}' if ratio else ''):>6}")
 
+    if None not in row["collector"].values():
+        print(f"    {code}: the garbage collector's CPU (ops/bench/gc_probe), µs per token: " + ", ".join(
+            f"{name} {seconds / row['tokens'] * 1e6:.2f}" for name, seconds in row["collector"].items()))
     hold_p50, hold_p99 = row["hold"]
     if hold_p50 is not None:
         print(f"    {code}: a chunk's oldest token held in the generate worker (genpipe_chunk_hold_seconds) "
