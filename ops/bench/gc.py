@@ -5,8 +5,9 @@ The work: decoding batch-256 engine steps (as the generate worker reads them, k
 logprobs per token) whose outputs stay alive for a few steps, as they do until their
 chunk is published, in a process that holds `--heap` other GC-tracked objects (a worker
 after start-up holds ~33,000 from imports alone, more with in-flight state). Python's
-default settings, then the workers' (`gc.freeze()` after start-up), alternating `--repeat`
-times; prints µs per output and the ratio.
+default settings, then the workers' (`gc.freeze()` after start-up and the young
+generation's threshold of workers/gc_tuning.py), alternating `--repeat` times; prints µs
+per output and the ratio.
 
     python ops/bench/gc.py [--heap 200000] [--k 5] [--steps 2000] [--repeat 3] [--gen0 N]
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from workers.generate.engine_process import Step, _decode_from_child, _encode  # noqa: E402
 from workers.generate.outputs import RequestOutput  # noqa: E402
+from workers.gc_tuning import YOUNG_THRESHOLD  # noqa: E402
 from workers.generate.synthetic import synthetic_entries  # noqa: E402
 
 
@@ -43,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--gen0", type=int, default=gc.get_threshold()[0],
-                    help="gen-0 threshold with the freeze (default: Python's; to try others)")
+    ap.add_argument("--gen0", type=int, default=YOUNG_THRESHOLD,
+                    help="gen-0 threshold with the freeze (default: the workers'; to try others)")
     args = ap.parse_args(argv)
     entries = synthetic_entries([100 + i for i in range(256)], [args.k] * 256, 32000) if args.k else [None] * 256
     outputs = [RequestOutput(request_id=f"req-{i:06d}", token_ids=[100 + i], num_output_tokens=5,
