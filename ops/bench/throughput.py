@@ -39,8 +39,8 @@ here, from its `sampled_at_ns`) and `derender` (tokens/s from SIGCONT to the las
 result, its CPU per token alone with the broker: goal (b)).
 
 With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (absolute: a reference runs in its worktree), each side's rows also give the
-garbage collector's CPU in the generate and derender workers, µs per token, from the end of
-their start-up (what workers/gc_tuning.py is about).
+garbage collector's CPU in the generate worker, its engine child and the derender, µs per
+token, from the end of their start-up (what workers/gc_tuning.py is about).
 
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
 same load right before each contender run, and prints the ratio of each stage's CPU per
@@ -82,7 +82,8 @@ def cpu_seconds(pid: int) -> float:
 def collector_seconds(pid: int, since: float) -> float | None:
     """The collector's CPU seconds in process `pid` since its start-up ended, from
     ops/bench/gc_probe (when GENPIPE_GC_PROBE is set), once its file is newer than
-    `since` (it is written every second); None without the probe."""
+    `since` (it is written every second); None without the probe, or for a process that
+    never froze (an engine child before workers/generate/engine_process.py did)."""
     if not os.environ.get("GENPIPE_GC_PROBE"):
         return None
     path = Path(os.environ["GENPIPE_GC_PROBE"]) / f"{pid}.txt"
@@ -91,7 +92,10 @@ def collector_seconds(pid: int, since: float) -> float | None:
         if time.time() > deadline:
             return None
         time.sleep(0.1)  # polling for the probe's next write
-    return sum(float(line.split()[3]) for line in path.read_text().splitlines() if line.startswith("gen"))
+    lines = path.read_text().splitlines()
+    if "frozen 1" not in lines:
+        return None  # counted from its start: start-up's collections would be in it
+    return sum(float(line.split()[3]) for line in lines if line.startswith("gen"))
 
 
 def children(pid: int) -> list[int]:
@@ -390,8 +394,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         held_after = hold_buckets(metrics_port)
         ended = time.time()
-        # (not the engine child's: it never freezes, so its count would include its start-up)
-        collector = {name: collector_seconds(pids[name], ended) for name in ("gen", "der")}
+        collector = {name: collector_seconds(pid, ended) for name, pid in pids.items()}
         chunks, chunk_bytes = asyncio.run(chunk_stats(settings))
     finally:
         for proc in procs.values():
@@ -422,9 +425,10 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
         return (f"{whole:>9,.0f} {(f'{whole / offered:.2f}' if ratio else ''):>6} {steady:>9,.0f} "
                 f"{(f'{steady / offered:.2f}' if ratio else ''):>6}")
 
-    if None not in row["collector"].values():
+    if any(seconds is not None for seconds in row["collector"].values()):
         print(f"    {code}: the garbage collector's CPU (ops/bench/gc_probe), µs per token: " + ", ".join(
-            f"{name} {seconds / row['tokens'] * 1e6:.2f}" for name, seconds in row["collector"].items()))
+            f"{name} " + (f"{seconds / row['tokens'] * 1e6:.2f}" if seconds is not None else "n/a (never froze)")
+            for name, seconds in row["collector"].items()))
     hold_p50, hold_p99 = row["hold"]
     if hold_p50 is not None:
         print(f"    {code}: a chunk's oldest token held in the generate worker (genpipe_chunk_hold_seconds) "

@@ -405,6 +405,8 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
     import torch
     from transformers.utils import logging as hf_logging
 
+    from workers.gc_tuning import tune_after_startup
+
     if threads:
         torch.set_num_threads(threads)
     # No tqdm bar in a worker's log; and a bar's lock is a multiprocessing semaphore that
@@ -415,6 +417,11 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
     except BaseException as exc:
         write_frame(steps, _encode(Failed(f"{type(exc).__name__}: {exc}")))
         return
+    # Start-up (torch, transformers, the model) is over: as the worker does once it is up
+    # (workers/gc_tuning.py). Left out, the child's full collections rescanned all of it
+    # while serving: 150-200 ms each, the engine thread stalled, twice in one k=5
+    # throughput run (BENCHMARKS.md, "The collector's young threshold").
+    tune_after_startup()
     write_frame(steps, _encode(Ready(engine_limits(engine))))
     outbox = Outbox(steps)
 

@@ -4,9 +4,9 @@ PYTHONPATH (a diagnostic for the benches; nothing in genpipe imports it).
     GENPIPE_GC_PROBE=/tmp/gc PYTHONPATH=$PWD/ops/bench/gc_probe python ops/bench/throughput.py ...
 
 Each process writes GENPIPE_GC_PROBE/<pid>.txt once a second and at exit: its command
-line, then its CPU seconds and, per generation, the collections and their thread CPU
-seconds, both counted from its `gc.freeze()` (a worker's end of start-up) when it calls
-one, else from its start. throughput.py reads them for both sides (a reference's workers
+line, its CPU seconds, whether it called `gc.freeze()` (a worker's end of start-up) and,
+per generation, the collections and their thread CPU seconds, counted from that freeze
+when there was one, else from its start. throughput.py reads them for both sides (a reference's workers
 get their worktree first on PYTHONPATH, this directory after it). Python imports
 `sitecustomize` at start-up by itself: that is the whole hook.
 """
@@ -38,7 +38,8 @@ if os.environ.get("GENPIPE_GC_PROBE"):
         _since[0] = time.process_time()
 
     def _write():
-        lines = [" ".join(sys.argv), f"cpu {time.process_time() - _since[0]:.3f} s"]
+        lines = [" ".join(sys.argv), f"cpu {time.process_time() - _since[0]:.3f} s",
+                 f"frozen {int(_since[0] > 0)}"]
         lines += [f"gen{g} {n} collections {ns / 1e9:.3f} s" for g, (n, ns) in _stats.items()]
         path = os.path.join(os.environ["GENPIPE_GC_PROBE"], f"{os.getpid()}.txt")
         with open(path + ".tmp", "w") as f:
