@@ -16,8 +16,8 @@ that alive until it ends (a derender poll's records, each with its decoded chunk
 structs, headers and record; an engine step's outputs and their chunks), so at Python's
 700 the collector ran every few dozen records and scanned each record's objects before
 they were freed, then again in the middle generation. At 10,000 a turn's objects are
-mostly freed before a collection comes: in the derender under load its collector time
-fell from ~9% of its CPU to ~1% (BENCHMARKS.md, "The collector's young threshold"). A
+mostly freed before a collection comes: in the derender under load its collector CPU
+fell from 9-13% of its own to 1-3% (BENCHMARKS.md, "The collector's young threshold"). A
 collection then scans up to ~10,000 objects at once (a few ms on a slow core) instead of
 700 (well under 1 ms), and far less often. Reference cycles are still collected as
 before. `GENPIPE_GC_TUNING=0` keeps Python's defaults.

@@ -38,9 +38,10 @@ final chunk read, its ratio to the engine alone: goal (a); how old a chunk is wh
 here, from its `sampled_at_ns`) and `derender` (tokens/s from SIGCONT to the last final
 result, its CPU per token alone with the broker: goal (b)).
 
-With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (absolute: a reference runs in its worktree), each side's rows also give the
-garbage collector's CPU in the generate worker, its engine child and the derender, µs per
-token, from the end of their start-up (what workers/gc_tuning.py is about).
+With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (an absolute path: a
+reference's workers run in its worktree), each side's rows also give the garbage
+collector's CPU in the generate worker, its engine child and the derender, µs per token,
+from the end of their start-up (what workers/gc_tuning.py is about).
 
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
 same load right before each contender run, and prints the ratio of each stage's CPU per

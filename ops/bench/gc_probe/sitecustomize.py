@@ -6,9 +6,9 @@ PYTHONPATH (a diagnostic for the benches; nothing in genpipe imports it).
 Each process writes GENPIPE_GC_PROBE/<pid>.txt once a second and at exit: its command
 line, its CPU seconds, whether it called `gc.freeze()` (a worker's end of start-up) and,
 per generation, the collections and their thread CPU seconds, counted from that freeze
-when there was one, else from its start. throughput.py reads them for both sides (a reference's workers
-get their worktree first on PYTHONPATH, this directory after it). Python imports
-`sitecustomize` at start-up by itself: that is the whole hook.
+when there was one, else from its start. throughput.py reads them for both sides (a
+reference's workers get their worktree first on PYTHONPATH, this directory after it).
+Python imports `sitecustomize` at start-up by itself: that is the whole hook.
 """
 
 import os
