@@ -118,10 +118,10 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path, loop):
 
 def big_step(n: int, tokens: int = 2000):
     from workers.generate.engine_process import Step
-    from workers.generate.outputs import RequestOutput
+    from workers.generate.outputs import RequestOutput, StepOutputs
 
     # ~10 KB each: a few fill the pipe's buffer, so the writes really wait on the reader
-    return Step([RequestOutput(request_id=f"r-{n}", token_ids=list(range(tokens)))], float(n))
+    return Step(StepOutputs(others=[RequestOutput(request_id=f"r-{n}", token_ids=list(range(tokens)))]), float(n))
 
 
 def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
@@ -161,7 +161,7 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
 
     from workers.generate import engine_process
     from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
-    from workers.generate.outputs import RequestOutput
+    from workers.generate.outputs import RequestOutput, StepOutputs
 
     writers: dict[float, str] = {}
     real_write = engine_process.write_frame
@@ -173,11 +173,11 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
     monkeypatch.setattr(engine_process, "write_frame", write_frame)
 
     def small(n: int):
-        return Step([RequestOutput(request_id=f"s-{n}", token_ids=[n])], float(n))
+        return Step(StepOutputs.of([RequestOutput(request_id=f"s-{n}", token_ids=[n])]), float(n))
 
     def big(n: int):  # two outputs (over direct_max), ~30 KB: two fill most of the pipe
-        return Step([RequestOutput(request_id=f"b-{n}-{i}", token_ids=list(range(5000, 10000)))
-                     for i in range(2)], float(n))
+        return Step(StepOutputs(others=[RequestOutput(request_id=f"b-{n}-{i}", token_ids=list(range(5000, 10000)))
+                                        for i in range(2)]), float(n))
 
     def in_pipe() -> int:
         return int.from_bytes(fcntl.ioctl(reader.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
@@ -348,6 +348,7 @@ def test_a_step_the_worker_cannot_take_fails_the_engine_instead_of_stalling_it(l
 
 def test_a_failed_engine_is_reported_once_even_if_the_sink_raises_on_it():
     from workers.generate.engine_process import EngineProcess
+    from workers.generate.outputs import StepOutputs
 
     calls = []
 
@@ -358,4 +359,4 @@ def test_a_failed_engine_is_reported_once_even_if_the_sink_raises_on_it():
     engine = EngineProcess({}, sink)
     engine._fail(RuntimeError("first"))
     engine._fail(RuntimeError("second"))
-    assert str(engine.failure) == "first" and calls == [[]]
+    assert str(engine.failure) == "first" and calls == [StepOutputs()] and not calls[0]

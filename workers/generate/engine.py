@@ -6,7 +6,8 @@ No Kafka, no asyncio. The worker drives it from one dedicated thread:
     engine.add(request)                  # any thread; raises ValidationError on bad input
     engine.abort(request_id)             # any thread; ends it with finish_reason="abort"
     while engine.has_work():
-        for out in engine.step():        # RequestOutput: 0 or 1 new token per request
+        for out in engine.step():        # StepOutputs (outputs.py): per request, a RequestOutput
+                                         # with 0 or 1 new token
             ...
 
 Every accepted request gets exactly one output with a finish_reason (its last); the
@@ -41,7 +42,7 @@ from workers.generate.inbox import Inbox
 from workers.generate.logprobs import prompt_positions, step_to_entries
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
-from workers.generate.outputs import RequestOutput
+from workers.generate.outputs import RequestOutput, StepCollector, StepOutputs
 from workers.generate.sampler import make_generator, make_sampling_tensors, sample, suppress
 from workers.generate.scheduler import DECODE, Scheduler, Sequence
 
@@ -111,14 +112,14 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def step(self) -> StepOutputs:
+        outputs = StepCollector()
         self._drain_inbox(outputs)
         if self._deadlines:
             self._expire(outputs)
         sched = self.scheduler.schedule()
         if not sched:
-            return outputs
+            return outputs.done()
         self.steps += 1
         plan = StepPlan(
             decode_tokens=[s.output[-1] for s in sched.decode],
@@ -151,17 +152,17 @@ class Engine:
                     seqs.append(seq)
                 offset += 1
             if p.final and seq.max_output == 0:  # max_tokens 0: the prompt only (echo, prompt logprobs)
-                outputs.append(self._final_output(seq, "length"))
+                outputs.output(self._final_output(seq, "length"))
                 self._release(seq)
         if seqs:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows, device=logits.device)]
             self._sample_and_finish(seqs, logits, outputs)
-        return outputs
+        return outputs.done()
 
     # --- internals ---------------------------------------------------------------------
 
-    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+    def _drain_inbox(self, outputs: StepCollector) -> None:
         for item in self._inbox.take():
             if item[0] == "add":
                 seq = self._new_sequence(item[1])
@@ -173,13 +174,13 @@ class Engine:
                 seq = self._seqs.get(item[1])
                 if seq is not None:
                     reason = item[2] if item[2] in _FINISH_REASONS else "abort"
-                    outputs.append(self._final_output(seq, reason))
+                    outputs.output(self._final_output(seq, reason))
                     self._release(seq, forget=False)
 
-    def _expire(self, outputs: list[RequestOutput]) -> None:
+    def _expire(self, outputs: StepCollector) -> None:
         now_ms = time.time() * 1000
         for seq in [s for s in self._deadlines if s.request.deadline_ms <= now_ms]:
-            outputs.append(self._final_output(seq, "abort"))
+            outputs.output(self._final_output(seq, "abort"))
             self._release(seq)
 
     def _new_sequence(self, req: GenerateRequest) -> Sequence:
@@ -240,7 +241,7 @@ class Engine:
         return self._sampling_state
 
     def _sample_and_finish(self, seqs: list[Sequence], logits: torch.Tensor,
-                           outputs: list[RequestOutput]) -> None:
+                           outputs: StepCollector) -> None:
         st, gens, ks = self._sampling(seqs)
         processed = logits
         if any(s.suppress_ids and len(s.output) < s.params.min_tokens for s in seqs):
@@ -248,7 +249,7 @@ class Engine:
                                           for s in seqs])
         sampled = sample(processed, st, gens)
         ids, lps = step_to_entries(logits, sampled, ks)  # the one device→host copy of the step
-        now = time.time_ns()
+        outputs.sampled_at_ns = time.time_ns()
         max_len = self.max_model_len
         for seq, tok, lp in zip(seqs, ids, lps):
             seq.output.append(tok)
@@ -261,14 +262,16 @@ class Engine:
                     reason = "stop"
                 elif tok in seq.stop_ids:
                     reason, stop_id = "stop", tok
-            out = RequestOutput(request_id=seq.request_id, token_ids=[tok],
-                                logprobs=None if lp is None else [lp], finish_reason=reason,
-                                stop_token_id=stop_id, num_prompt_tokens=len(seq.prompt),
-                                num_output_tokens=n, sampled_at_ns=now)
-            if not seq.sent_first:
-                out.prompt_logprobs = seq.prompt_logprobs
-                seq.sent_first = True
-            outputs.append(out)
+            first = not seq.sent_first
+            seq.sent_first = True
+            if reason is None and (not first or seq.prompt_logprobs is None):
+                outputs.token(seq.request_id, tok, lp)  # the usual output: a column entry
+            else:
+                outputs.output(RequestOutput(
+                    request_id=seq.request_id, token_ids=[tok], logprobs=None if lp is None else [lp],
+                    finish_reason=reason, stop_token_id=stop_id, num_prompt_tokens=len(seq.prompt),
+                    num_output_tokens=n, sampled_at_ns=outputs.sampled_at_ns,
+                    prompt_logprobs=seq.prompt_logprobs if first else None))
             if reason is not None:
                 self._release(seq)
             elif seq.status != DECODE:

@@ -43,14 +43,14 @@ from schemas.records import GenerateRequest
 from schemas.validation import validate_request
 from workers.generate.engine_thread import EngineThread, engine_limits
 from workers.generate.logprob_entries import encode_pending
-from workers.generate.outputs import RequestOutput
+from workers.generate.outputs import StepOutputs
 
 log = logging.getLogger(__name__)
 
 
 # --- the messages on the pipe (msgspec msgpack; tagged, so each says what it is) -------
 #
-# Not pickle: a step of a batch-256 engine is 256 RequestOutputs, and pickling msgspec
+# Not pickle: a step of a batch-256 engine is 256 outputs, and pickling msgspec
 # structs cost ~5.7 µs per output (encode + decode) where msgspec's own codec costs ~0.9
 # (BENCHMARKS.md, "Throughput": the engine child's CPU per token).
 
@@ -72,7 +72,7 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Step(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]  # the engine's outputs of one step
+    outputs: StepOutputs  # the engine's outputs of one step, column-wise (outputs.py)
     step_s: float
 
 
@@ -119,9 +119,9 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 # step_sink(outputs, step_s), called on the event loop for every step the child sends;
 # returns the step's publish task (the reader counts those until done), or None if the
-# step started none. After a failure it is called once more with ([], 0.0) and
-# `failure` set.
-StepSink = Callable[[list, float], "asyncio.Future | None"]
+# step started none. After a failure it is called once more with (StepOutputs(), 0.0)
+# and `failure` set.
+StepSink = Callable[[StepOutputs, float], "asyncio.Future | None"]
 
 
 class EngineProcess:
@@ -236,7 +236,7 @@ class EngineProcess:
         log.error("%s", exc)
         self.failure = exc
         try:
-            self._step_sink([], 0.0)
+            self._step_sink(StepOutputs(), 0.0)
         except Exception:  # (the sink may be what failed: the failure stands, tick sees it)
             log.exception("the step sink failed on the engine's failure")
 

@@ -19,12 +19,13 @@ import time
 from typing import Callable
 
 from schemas.validation import validate_request
+from workers.generate.outputs import StepOutputs
 
 log = logging.getLogger(__name__)
 
 # deliver(outputs, step_seconds), called on the engine thread after every step; after a
-# failure once more with ([], 0.0) and `failure` set.
-Deliver = Callable[[list, float], None]
+# failure once more with (StepOutputs(), 0.0) and `failure` set.
+Deliver = Callable[[StepOutputs, float], None]
 
 
 class EngineThread:
@@ -75,7 +76,7 @@ class EngineThread:
         except BaseException as exc:  # surface to the worker, which exits non-zero
             log.exception("engine thread failed")
             self.failure = exc
-            self._deliver([], 0.0)
+            self._deliver(StepOutputs(), 0.0)
 
 
 def engine_limits(engine) -> dict[str, int]:

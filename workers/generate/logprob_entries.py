@@ -162,9 +162,12 @@ def encode_pending(value):
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
-def resolve_pending(outputs) -> None:
-    """Replace the outputs' pending entries with their bytes (an engine in the worker's own
-    process: its outputs reach the chunk builder without crossing the pipe's encoder)."""
-    for out in outputs:
+def resolve_pending(step) -> None:
+    """Replace a step's (StepOutputs) pending entries with their bytes (an engine in the
+    worker's own process: its outputs reach the chunk builder without crossing the pipe's
+    encoder)."""
+    if step.logprobs is not None:
+        step.logprobs = tuple(None if entry is None else bytes(entry) for entry in step.logprobs)
+    for out in step.others:
         if out.logprobs and type(out.logprobs[0]) is PendingEntry:
             out.logprobs = [bytes(entry) for entry in out.logprobs]

@@ -14,6 +14,7 @@ from workers.generate.admission import WaitingQueue
 from workers.generate.engine_process import EngineProcess, make_engine
 from workers.generate.engine_thread import EngineThread
 from workers.generate.logprob_entries import resolve_pending
+from workers.generate.outputs import StepOutputs
 from workers.generate.chunks import W, ChunkPolicy
 from workers.generate.worker import GenerateHandler
 from workers.kafka.follow import follow
@@ -116,12 +117,12 @@ class EngineOutputs:
         self.handler: GenerateHandler | None = None
         self._room = threading.BoundedSemaphore(max_steps_waiting)
 
-    def on_step(self, outputs: list, step_s: float) -> asyncio.Future | None:
+    def on_step(self, outputs: StepOutputs, step_s: float) -> asyncio.Future | None:
         """On the loop: one step to the handler; returns its publish step (None: none)."""
         _observe(outputs, step_s)
         return self._publish(outputs)
 
-    def deliver(self, outputs: list, step_s: float) -> None:
+    def deliver(self, outputs: StepOutputs, step_s: float) -> None:
         """On an engine thread of this process: waits for room, then hands the step over."""
         _observe(outputs, step_s)
         if outputs or self.engine.failure is not None:
@@ -130,14 +131,14 @@ class EngineOutputs:
                     return  # the worker has stopped: nobody will take these
             self.loop.call_soon_threadsafe(self._on_loop, outputs)
 
-    def _on_loop(self, outputs: list) -> None:
+    def _on_loop(self, outputs: StepOutputs) -> None:
         published = self._publish(outputs)
         if published is None:
             self._room.release()
         else:
             published.add_done_callback(lambda _: self._room.release())
 
-    def _publish(self, outputs: list) -> asyncio.Future | None:
+    def _publish(self, outputs: StepOutputs) -> asyncio.Future | None:
         if self.handler is None:  # (a failure can come before the first request)
             return None
         if not outputs and self.engine.failure is None:
@@ -145,7 +146,7 @@ class EngineOutputs:
         return self.handler.on_outputs(outputs)
 
 
-def _observe(outputs: list, step_s: float) -> None:
+def _observe(outputs: StepOutputs, step_s: float) -> None:
     if step_s:
         series(STEP_TIME, W).observe(step_s)
         series(BATCH_SIZE, W).observe(len(outputs))

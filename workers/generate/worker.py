@@ -22,6 +22,7 @@ from aiokafka import TopicPartition
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
 from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight, Pressure
+from workers.generate.outputs import StepOutputs
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
                                    release_when_acked)
@@ -161,37 +162,45 @@ class GenerateHandler(Handler):
 
     # --- chunks out -------------------------------------------------------------------
 
-    def on_outputs(self, outputs: list) -> asyncio.Task:
+    def on_outputs(self, step: StepOutputs) -> asyncio.Task:
         """Called on the event loop with one engine step's outputs; returns the publish
-        step it started (the engine's deliveries wait on those: workers/generate/service.py)."""
+        step it started (the engine's deliveries wait on those: workers/generate/service.py).
+        One loop over the step's new tokens (per token: the hot path), then its few other
+        outputs (ends, prompt logprobs)."""
         now = time.monotonic()
-        finals = []
-        longest_gap = None
         inflight = self.inflight
-        for out in outputs:
-            state = inflight.get(out.request_id)
+        ttft = self._ttft.observe
+        earliest = now  # the oldest previous token among the step's requests: the longest gap
+        for request_id, token, entry, sampled_at_ns in step.new_tokens():
+            state = inflight.get(request_id)
             if state is None:
                 continue  # stopped on revoke/shutdown: its next owner re-runs it
-            if out.prompt_logprobs is not None:
-                state.prompt_logprobs = out.prompt_logprobs
-            if out.token_ids:
-                if state.last_token_at is None:
-                    self._ttft.observe(now - state.received_at)
-                elif longest_gap is None or now - state.last_token_at > longest_gap:
-                    longest_gap = now - state.last_token_at
-                state.last_token_at = now
-                if not state.pending_ids:
-                    state.pending_since = now
-                state.pending_ids.extend(out.token_ids)
-                if out.logprobs is not None:
-                    state.pending_logprobs.extend(out.logprobs)
-                state.sampled_at_ns = out.sampled_at_ns
-            if out.finish_reason is not None:
-                finals.append((state, out))
-        if longest_gap is not None:
+            last = state.last_token_at
+            if last is None:
+                ttft(now - state.received_at)
+            elif last < earliest:
+                earliest = last
+            state.last_token_at = now
+            pending = state.pending_ids
+            if not pending:
+                state.pending_since = now
+            pending.append(token)
+            if entry is not None:
+                state.pending_logprobs.append(entry)
+            state.sampled_at_ns = sampled_at_ns
+        if earliest < now:
             # Once per step, not per token (a histogram observation costs ~1 µs, and at
             # batch 256 every request of a step saw the same gap but for stragglers).
-            self._inter_token.observe(longest_gap)
+            self._inter_token.observe(now - earliest)
+        finals = []
+        for out in step.others:
+            state = inflight.get(out.request_id)
+            if state is None:
+                continue
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
+            if out.finish_reason is not None:
+                finals.append((state, out))
         for state, _ in finals:
             self._leave(state)
         ended = [(state, Final(out.finish_reason, stop_token_id=out.stop_token_id)) for state, out in finals]
@@ -200,7 +209,7 @@ class GenerateHandler(Handler):
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
             self._idle.set()
-        if outputs:
+        if step:
             self.pressure.step(len(self._publishing))
         return self._publish_soon(ended)
 
