@@ -68,3 +68,22 @@ async def test_generate_worker_metrics_are_served(kafka_settings, make_topics, t
     assert added[names[2]] == 1  # one first token
     assert added[names[3]] >= 5  # a step per token at least (prefill may take its own)
     assert 'genpipe_consumer_lag_records{worker="generate"}' in values
+
+
+def test_the_collectors_pauses_are_served_by_generation():
+    """A collection holds the GIL: the endpoint says how long, per generation, counted by
+    a gc callback that takes no lock (workers/metrics.py GcPauses)."""
+    import gc
+
+    port = free_port()
+    start_metrics_server(port, addr="127.0.0.1")
+    names = [f'genpipe_gc_pause_seconds_total{{generation="{g}"}}' for g in range(3)]
+    before = scrape(port)
+    assert all(name in before for name in names)
+    held = [[i] for i in range(300_000)]  # tracked objects a full collection walks: a pause to see
+    gc.collect(0)
+    gc.collect()
+    after = scrape(port)
+    assert after[names[0]] > before[names[0]]
+    assert after[names[2]] - before[names[2]] > 0.001, "a full collection over 300,000 objects took no time"
+    del held

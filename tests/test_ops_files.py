@@ -38,6 +38,7 @@ DASHBOARD_METRICS = {
     "genpipe_consumer_lag_records", "genpipe_time_to_first_token_seconds",
     "genpipe_inter_token_latency_seconds", "genpipe_step_time_seconds",
     "genpipe_derender_latency_seconds", "genpipe_chunk_stretch", "genpipe_chunk_hold_seconds",
+    "genpipe_gc_pause_seconds",
 }
 # Series names a metric family exposes, by type (what a query may name).
 SUFFIXES = {
@@ -110,6 +111,9 @@ def metric_catalogue() -> dict[str, tuple[str, str, tuple[str, ...]]]:
         labels = tuple(getattr(obj, "_labelnames", ()))
         for suffix in SUFFIXES[family.type]:
             catalogue[family.name + suffix] = (family.name, family.type, labels)
+    for family in metrics.watch_gc_pauses().describe():  # a custom collector's families
+        for suffix in SUFFIXES[family.type]:
+            catalogue[family.name + suffix] = (family.name, family.type, tuple(family.samples[0].labels))
     assert catalogue, "workers/metrics.py defines no metrics"
     return catalogue
 

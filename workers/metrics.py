@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
+import time
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -104,7 +107,52 @@ class HistogramBatch:
         self.total = 0.0
 
 
+class GcPauses:
+    """How long the garbage collector held this process, by generation, exported as
+    `genpipe_gc_pause_seconds_total{generation}` (prometheus_client's own
+    `python_gc_collections_total` counts them). A collection holds the GIL: the event loop,
+    and so every record and token, waits that long; under load it was 9-13% of a
+    derender's CPU before workers/gc_tuning.py (BENCHMARKS.md, "The collector's young
+    threshold"). The gc callback only adds to plain numbers, read at scrape time: it takes
+    no lock, where a prometheus counter's `inc` would (a collection starting in a thread
+    that holds that lock would wait on itself)."""
+
+    def __init__(self) -> None:
+        self.ns = [0, 0, 0]  # per generation
+        self._started = 0
+
+    def on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter_ns()
+        else:
+            self.ns[info["generation"]] += time.perf_counter_ns() - self._started
+
+    def describe(self):
+        return self.collect()
+
+    def collect(self):
+        family = CounterMetricFamily("genpipe_gc_pause_seconds", "Time this process spent in garbage "
+                                     "collections (holding the GIL), by generation", labels=["generation"])
+        for generation, ns in enumerate(self.ns):
+            family.add_metric([str(generation)], ns / 1e9)
+        yield family
+
+
+_gc_pauses: GcPauses | None = None
+
+
+def watch_gc_pauses() -> GcPauses:
+    """Time every collection from now on and export it (once per process)."""
+    global _gc_pauses
+    if _gc_pauses is None:
+        _gc_pauses = GcPauses()
+        gc.callbacks.append(_gc_pauses.on_collection)
+        REGISTRY.register(_gc_pauses)
+    return _gc_pauses
+
+
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
+    watch_gc_pauses()
     start_http_server(port, addr=addr)
 
 

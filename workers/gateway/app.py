@@ -33,7 +33,7 @@ from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
 from workers.mailbox import KEEPALIVE
-from workers.metrics import GATEWAY_RELAY
+from workers.metrics import GATEWAY_RELAY, watch_gc_pauses
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -99,6 +99,7 @@ class Gateway:
 
         await self.start()
         tune_after_startup()  # as the workers do: start-up's objects out of the collector's way
+        watch_gc_pauses()  # /metrics: genpipe_gc_pause_seconds_total
         try:
             yield
         finally:
