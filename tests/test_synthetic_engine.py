@@ -125,3 +125,17 @@ def test_prompt_tokens_repeat_the_prompt_and_an_unknown_rule_is_refused():
     assert outs["a"][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="tokens must be one of hash, prompt"):
         SyntheticEngine(tokens="prompts")
+
+
+def test_a_request_validated_on_its_way_is_not_checked_again_but_an_id_still_running_is_refused():
+    """The worker validates a request once (its handler) and tells the engine so
+    (`validated=True`: the engine process and its inbox skip the rules); a second request
+    with a running id is refused all the same, and an unvalidated one is still checked."""
+    engine = SyntheticEngine(step_s=0.0, max_batch=4, vocab_size=100)
+    engine.add(req("a", max_tokens=3), validated=True)
+    with pytest.raises(ValidationError, match="already running"):
+        engine.add(req("a", max_tokens=3), validated=True)
+    with pytest.raises(ValidationError, match="out of range"):
+        engine.add(GenerateRequest(request_id="b", prompt_token_ids=[1, 500]))
+    while engine.has_work():
+        engine.step()

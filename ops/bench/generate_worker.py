@@ -11,7 +11,8 @@ in every step) are decoded as the worker's pipe reader does and handed to the re
 publishes them through the real `Publisher.publish_batch` into aiokafka's own
 `BatchBuilder`s, which a stand-in producer acknowledges at once (no network, no sender
 task). The requests come first, through the real
-`handle` (decode, validation, admission, offsets). Chunks hold exactly --chunk-tokens
+`handle` (decode, validation, admission, offsets; --prompt-tokens ids each, validated
+as the engine process's `add` would). Chunks hold exactly --chunk-tokens
 tokens (the publisher reports a lagging producer, so the policy coalesces to its token
 cap: independent of timing, so both sides publish the same chunks).
 
@@ -38,20 +39,27 @@ from paired import Message, compare, fixed_chunk_policy, use_code, worktree  # n
 # --- a child: one side, its runs timed ----------------------------------------------------
 
 class Engine:
-    """The handler's view of the engine process: requests are validated and sent (encoded)
-    to the child; here the steps were made beforehand, so nothing is sent."""
+    """The handler's view of the engine process (EngineProcess): requests are validated
+    against the synthetic engine's limits and sent (encoded) to the child; here the steps
+    were made beforehand, so nothing is sent."""
 
     failure = None
 
     def __init__(self):
+        from schemas.validation import validate_request
         from workers.generate import engine_process
+        from workers.generate.engine_thread import engine_limits
+        from workers.generate.synthetic import SyntheticEngine
 
         self._encode, self._add = engine_process._encode, engine_process.Add
+        self._validate, self._limits = validate_request, engine_limits(SyntheticEngine())
 
     def validate(self, request) -> None:
-        pass
+        self._validate(request, **self._limits)
 
-    def add(self, request) -> None:
+    def add(self, request, *, validated: bool = False) -> None:  # (code before `validated`: always False)
+        if not validated:
+            self.validate(request)
         self._encode(self._add(request))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -88,13 +96,14 @@ class Producer:
         return future
 
 
-def build(k: int, requests: int, tokens: int):
+def build(k: int, requests: int, tokens: int, prompt_tokens: int):
     """The request records, and the engine's steps as pipe bytes."""
     from schemas import GenerateRequest, SamplingParams, encode, headers_for
     from workers.generate import engine_process
     from workers.generate.synthetic import SyntheticEngine
 
-    reqs = [GenerateRequest(request_id=f"gen-{i}", prompt_token_ids=[1, 5, 6, 7],
+    prompt = [1] + [5 + (7 * j) % 1900 for j in range(prompt_tokens - 1)]
+    reqs = [GenerateRequest(request_id=f"gen-{i}", prompt_token_ids=prompt,
                             sampling=SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=k if k else None))
             for i in range(requests)]
     messages = [("b.requests", i % 8, i // 8, encode(r), headers_for(r), r.request_id.encode())
@@ -159,7 +168,7 @@ def serve(args) -> None:
     for line in sys.stdin:
         workload = line.strip()
         if workload not in loaded:
-            loaded[workload] = build(int(workload.split("=")[1]), args.requests, args.tokens)
+            loaded[workload] = build(int(workload.split("=")[1]), args.requests, args.tokens, args.prompt_tokens)
             gc.freeze()
             asyncio.run(run_side(*loaded[workload][:2], args.chunk_tokens))  # warm-up
         messages, steps, tokens = loaded[workload]
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256, help="requests, all in one batch")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--chunk-tokens", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=4, help="prompt ids per request (validated on the way)")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, a workload each")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -188,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ref = worktree(args.reference)
     new = worktree(args.contender) if args.contender else HERE.parents[2]
     print(f"reference {args.reference} ({ref}) vs {args.contender or 'this checkout'}; {args.requests} requests x "
-          f"{args.tokens} tokens in one batch, {args.chunk_tokens} tokens/chunk; {args.rounds} runs a side, "
+          f"{args.tokens} tokens in one batch, {args.prompt_tokens} prompt ids each, {args.chunk_tokens} tokens/chunk; {args.rounds} runs a side, "
           f"interleaved; CPU time, best run")
     print(f"{'workload':<9} {'chunks':>7} {'ref us/chunk':>12} {'new us/chunk':>12} {'ref us/tok':>10} "
           f"{'new us/tok':>10} {'ratio':>6} {'paired':>7}  chunks")
     child_args = ["--requests", str(args.requests), "--tokens", str(args.tokens),
-                  "--chunk-tokens", str(args.chunk_tokens)]
+                  "--chunk-tokens", str(args.chunk_tokens), "--prompt-tokens", str(args.prompt_tokens)]
     def row(workload: str, r: dict) -> str:
         records, tokens, best = r["records"], r["tokens"], r["best"]
         return (f"{workload:<9} {records:>7} {best['ref'] / records * 1e6:>12.1f} "

@@ -90,9 +90,10 @@ class Engine:
 
     # --- any thread ----------------------------------------------------------------
 
-    def add(self, request: GenerateRequest) -> None:
-        """Validate and queue; the next step() admits it. Raises ValidationError."""
-        self._inbox.add(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+    def add(self, request: GenerateRequest, *, validated: bool = False) -> None:
+        """Validate (unless the caller did: `validated`) and queue; the next step() admits
+        it. Raises ValidationError (an id already running: always)."""
+        self._inbox.add(request, validated=validated, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
                         max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

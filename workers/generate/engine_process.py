@@ -178,9 +178,11 @@ class EngineProcess:
         """Raises schemas ValidationError for a request the engine would refuse."""
         validate_request(request, **self.limits)
 
-    def add(self, request) -> None:
-        """Validate here (raises schemas ValidationError) and queue it in the child."""
-        self.validate(request)
+    def add(self, request, *, validated: bool = False) -> None:
+        """Validate here (raises schemas ValidationError; skipped when the caller has:
+        `validated`) and queue it in the child, which does not validate it again."""
+        if not validated:
+            self.validate(request)
         self._send(Add(request))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -438,8 +440,8 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
             message = _decode_to_child(commands.recv_bytes())
             if isinstance(message, Add):
                 try:
-                    thread.add(message.request)
-                except ValidationError as exc:  # validated by the parent already: a duplicate id
+                    thread.add(message.request, validated=True)  # by the parent, against our limits
+                except ValidationError as exc:  # a duplicate id
                     log.warning("engine refused %s: %s", message.request.request_id, exc)
             elif isinstance(message, Abort):
                 thread.abort(message.request_id, message.reason)

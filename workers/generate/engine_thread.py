@@ -45,9 +45,10 @@ class EngineThread:
         """Raises schemas ValidationError for a request the engine would refuse."""
         validate_request(request, **engine_limits(self.engine))
 
-    def add(self, request) -> None:
-        """Validate and queue (raises schemas ValidationError); the thread admits it next step."""
-        self.engine.add(request)
+    def add(self, request, *, validated: bool = False) -> None:
+        """Validate (unless the caller did: `validated`) and queue (raises schemas
+        ValidationError); the thread admits it next step."""
+        self.engine.add(request, validated=validated)
         self._wake.set()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

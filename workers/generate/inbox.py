@@ -20,9 +20,12 @@ class Inbox:
         self._items: list[tuple] = []  # ("add", request) | ("abort", request_id, reason)
         self._known: set[str] = set()  # accepted and not yet finished
 
-    def add(self, request: GenerateRequest, **limits) -> None:
-        """Validate against `limits` (validate_request's) and queue. Raises ValidationError."""
-        validate_request(request, **limits)
+    def add(self, request: GenerateRequest, *, validated: bool = False, **limits) -> None:
+        """Validate against `limits` (validate_request's), unless the caller did (`validated`:
+        a request is checked once on its way, not at every hop; a long prompt costs ~45 ns an
+        id each time), and queue. Raises ValidationError, for a running id in any case."""
+        if not validated:
+            validate_request(request, **limits)
         with self._lock:
             if request.request_id in self._known:
                 raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")

@@ -97,8 +97,8 @@ class SyntheticEngine:
 
     # --- any thread ----------------------------------------------------------------
 
-    def add(self, request: GenerateRequest) -> None:
-        self._inbox.add(request, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+    def add(self, request: GenerateRequest, *, validated: bool = False) -> None:
+        self._inbox.add(request, validated=validated, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
                         max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

@@ -141,7 +141,7 @@ class GenerateHandler(Handler):
                 break
             state = self.waiting.pop()
             try:
-                self.engine.add(state.request)
+                self.engine.add(state.request, validated=True)  # by `handle`
             except ValidationError as exc:  # e.g. the id is still ending in the engine
                 series(REQUESTS, W, "invalid").inc()
                 series(ERRORS, W).inc()
