@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from workers.gc_tuning import YOUNG_THRESHOLD  # noqa: E402
 from workers.generate.engine_process import Step, _decode_from_child, _encode  # noqa: E402
-from workers.generate.outputs import RequestOutput  # noqa: E402
+from workers.generate.outputs import RequestOutput, StepOutputs  # noqa: E402
 from workers.generate.synthetic import synthetic_entries  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs = [RequestOutput(request_id=f"req-{i:06d}", token_ids=[100 + i], num_output_tokens=5,
                              logprobs=None if entry is None else [entry])
                for i, entry in enumerate(entries)]
-    message = _encode(Step(outputs=outputs, step_s=0.002))
+    message = _encode(Step(outputs=StepOutputs.of(outputs), step_s=0.002))  # as the engines send it
     heap = [[i] for i in range(args.heap)]  # noqa: F841 (held: what the collector rescans)
     defaults = gc.get_threshold()
     per_output = {"default": [], "tuned": []}
