@@ -49,11 +49,17 @@ async def test_hundred_concurrent_requests_through_two_of_each_worker(kafka_sett
     workers = WorkerProcesses(tmp_path)
     common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix",
               kafka_settings.topic_prefix, "--grace-period", "10"]
-    for i in range(2):
-        workers.start(f"generate-{i}", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "16", *common)
-        workers.start(f"derender-{i}", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+    # one of each on uvloop (the default), one on Python's asyncio loop: both carry requests
+    for i, loop in enumerate(("auto", "asyncio")):
+        workers.start(f"generate-{i}", "generate-worker", "--model", str(tiny_model_dir), "--max-batch", "16",
+                      "--event-loop", loop, *common)
+        workers.start(f"derender-{i}", "derender-worker", "--tokenizer", str(tiny_model_dir), "--event-loop", loop,
+                      *common)
     try:
         workers.wait_ready()
+        for i, loop in enumerate(("uvloop", "asyncio")):
+            for name in (f"generate-{i}", f"derender-{i}"):
+                assert f"event loop: {loop}" in workers.log(name), name
         async with GenpipeClient(settings=kafka_settings, timeout_s=180) as client:
             async def run(request):
                 try:
@@ -70,6 +76,8 @@ async def test_hundred_concurrent_requests_through_two_of_each_worker(kafka_sett
     finally:
         codes = workers.stop_all()
     assert all(code == 0 for code in codes.values()), codes  # SIGTERM: clean exit
+    for i in range(2):  # each loop had partitions to work on
+        assert workers.partitions(f"generate-{i}") and workers.partitions(f"derender-{i}", ".chunks"), i
 
     errors = {r.request_id: o for r, o in zip(requests, outcomes) if isinstance(o, GenpipeError)}
     assert set(errors) == {"e2e-10", "e2e-20"}

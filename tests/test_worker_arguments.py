@@ -42,3 +42,32 @@ def test_defaults_and_good_values_parse_to_numbers(monkeypatch):
     args = parse(["generate-worker", "--coalesce-max-tokens", "4", "--min-step-ms", "20"])
     assert (args.max_batch, args.coalesce_max_tokens, args.min_step_ms, args.max_logprobs) == (32, 4, 20.0, 20)
     assert parse(["derender-worker", "--max-logprobs", "-1"]).max_logprobs == -1
+
+
+def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypatch, capsys):
+    monkeypatch.delenv("GENPIPE_EVENT_LOOP", raising=False)
+    assert parse(["generate-worker"]).event_loop == "auto"
+    assert parse(["derender-worker", "--event-loop", "asyncio"]).event_loop == "asyncio"
+    with pytest.raises(SystemExit):
+        parse(["derender-worker", "--event-loop", "uv"])
+    assert "argument --event-loop: expected one of auto, uvloop, asyncio, got 'uv'" in capsys.readouterr().err
+    monkeypatch.setenv("GENPIPE_EVENT_LOOP", "uvlop")  # a typo in a deployment's env: refused, not ignored
+    with pytest.raises(SystemExit):
+        parse(["generate-worker"])
+    assert "got 'uvlop'" in capsys.readouterr().err
+
+
+def test_event_loop_factory_takes_uvloop_and_says_when_it_is_missing(monkeypatch):
+    import sys
+
+    import uvloop
+
+    from workers.worker_commands import event_loop_factory
+
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert event_loop_factory("asyncio") is None  # asyncio.Runner's default loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: import fails
+    assert event_loop_factory("auto") is None
+    with pytest.raises(SystemExit, match="uvloop is not installed"):
+        event_loop_factory("uvloop")

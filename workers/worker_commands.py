@@ -23,6 +23,16 @@ def _pattern(text: str) -> str:
     return text
 
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def _event_loop(text: str) -> str:
+    """An argparse type (also applied to GENPIPE_EVENT_LOOP, which choices= would not check)."""
+    if text not in EVENT_LOOPS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(EVENT_LOOPS)}, got {text!r}")
+    return text
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -56,6 +66,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "requests, chunks, cancel and dlq topics are never allowed. A request "
                              "outside it gets an invalid_request_error on <prefix>.results. Use the "
                              "same value for both workers.")
+    parser.add_argument("--event-loop", type=_event_loop, metavar="{auto,uvloop,asyncio}",
+                        default=os.environ.get("GENPIPE_EVENT_LOOP", "auto"),
+                        help="the event loop the worker runs on (env GENPIPE_EVENT_LOOP): uvloop (a "
+                             "dependency of genpipe) or Python's own asyncio loop; auto (default) takes "
+                             "uvloop where it is installed. The generate worker's loop is callback-heavy "
+                             "(engine steps, publish tasks, producer acks): on uvloop it spends less CPU "
+                             "per token (BENCHMARKS.md, \"The workers on uvloop\")")
     add_log_level(parser)
 
 
@@ -106,12 +123,28 @@ def _run_derender(args: argparse.Namespace) -> int:
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 
 
+def event_loop_factory(choice: str):
+    """The loop factory for `--event-loop`: None is asyncio's default loop. "uvloop" where
+    it cannot be imported is an error that says so; "auto" falls back to asyncio."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("--event-loop uvloop: uvloop is not installed (pip install uvloop), "
+                             "or run with --event-loop asyncio") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def _ready(name: str):
     def announce() -> None:
         from workers.gc_tuning import tune_after_startup
 
         tune_after_startup()  # start-up is over: what it built leaves the collector's sight
-        logging.getLogger("genpipe").info("%s worker ready (partitions assigned)", name)
+        loop = "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+        logging.getLogger("genpipe").info("%s worker ready (partitions assigned; event loop: %s)", name, loop)
     return announce
 
 
@@ -121,7 +154,8 @@ def _serve_with_metrics(args: argparse.Namespace, coroutine) -> int:
 
         start_metrics_server(args.metrics_port)
     try:
-        code = asyncio.run(coroutine)
+        with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
+            code = runner.run(coroutine)
     except KeyboardInterrupt:
         code = 0
     # Everything is flushed and committed by now. Interpreter teardown with torch and
