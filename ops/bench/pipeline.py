@@ -1,8 +1,9 @@
 """Latency the two Kafka hops add, side by side with the engine alone and the Kafka floor.
 
 Contender: the pipeline (a generate and a derender worker as processes, a real broker,
-the client library). Per token: the time from the token being sampled (the chunk's
-`sampled_at_ns`) to its result record reaching the client, p50 and p99, split at the
+the client library). Per result record (one per chunk: at low load a chunk is one token,
+now and then two; the `results` column counts them): the time from its newest token being
+sampled (the chunk's `sampled_at_ns`) to the record reaching the client, p50 and p99, split at the
 moment a reader in this process sees the chunk (hop 1: generate → chunk topic; hop 2:
 derender → client); and time to first token through the pipeline minus the engine's own
 time to first token (prefill) measured in this process on the same prompts. Low load:
@@ -336,7 +337,7 @@ def main() -> None:
             codes.insert(0, (args.reference[:9], worktree(args.reference)))
         for min_step_ms in args.min_step_ms:
             print(f"\ngenerate --min-step-ms {min_step_ms:g}")
-            print(f"{'code':<9} {'load':<22} {'tokens':>6} {'tok/s':>6} {'added p50':>10} {'added p99':>10} "
+            print(f"{'code':<9} {'load':<22} {'results':>7} {'res/s':>6} {'added p50':>10} {'added p99':>10} "
                   f"{'hop1 p50/p99':>14} {'hop2 p50/p99':>14} {'floor p50':>10} {'floor p99':>10} "
                   f"{'ttft p50':>9} {'ttft ovh p50':>12}  goal (c)")
             workers = {}
@@ -363,7 +364,7 @@ def main() -> None:
                             return "met" if (pct(run.added, 0.5) <= pct(floor, 0.5) + 0.001
                                              and pct(run.added, 0.99) <= pct(floor, 0.99) + 0.005) else "not met"
 
-                        print(f"{name:<9} {label:<22} {len(run.added):>6} {rate:>6.0f} {ms(pct(run.added, 0.5)):>10} "
+                        print(f"{name:<9} {label:<22} {len(run.added):>7} {rate:>6.0f} {ms(pct(run.added, 0.5)):>10} "
                               f"{ms(pct(run.added, 0.99)):>10} {hops(run.hop1):>14} {hops(run.hop2):>14} "
                               f"{ms(pct(floor, 0.5)):>10} {ms(pct(floor, 0.99)):>10} "
                               f"{ms(statistics.median(run.ttfts)):>9} {ms(overhead):>12}  "
