@@ -1,25 +1,32 @@
-"""The generate worker's CPU per token on uvloop against Python's asyncio loop, one run.
+"""The workers' CPU per token on uvloop against Python's asyncio loop, in one run.
 
     python ops/bench/event_loop.py --bootstrap-servers 127.0.0.1:9092 [--rounds 8] [--k 0 5]
-        [--step-ms 2] [--requests 256] [--tokens 256] [--chunk-tokens 10]
+        [--stages generate derender] [--step-ms 2] [--requests 256] [--tokens 256] [--chunk-tokens 10]
 
-The workers run on uvloop by default (`--event-loop`, workers/worker_commands.py). This
-measures what that buys where the event loop works hardest: the generate worker's path
-from its engine to the broker. Each side is a child process of this checkout on its own
-loop (`asyncio` or `uvloop`), holding the real engine child (the synthetic engine:
---step-ms a step, every request in one batch, no model), whose steps come through the
-pipe and are read on the event loop as the worker reads them, the real `GenerateHandler`
-(chunks of at most --chunk-tokens tokens, cut there while the producer has
-unacknowledged records, as a saturated worker's are) and the real `Publisher` with an aiokafka producer, which
-publishes every chunk to a real broker and waits for its acknowledgement. Timed: the side's
-own CPU, every thread, from the first request handed over to the last final chunk
-acknowledged, per token; the engine child's is not counted (on a GPU machine that is the
-model's work). The request consumer is not in it (a request is ~128 tokens of work here).
+The workers run on uvloop by default (`--event-loop`, workers/worker_commands.py); this
+measures what that buys. Each side is a child process of this checkout on its own loop
+(`asyncio` or `uvloop`), kept up, running two stages in turn:
 
-Sides alternate ABBA (ops/bench/paired.py): on a shared 2-core box a stage's CPU per
-token drifts by 0.8-1.3x between minutes (BENCHMARKS.md), and the median of back-to-back
-pairs is the figure that survives it. The byte check is on what each request said (its
-token ids and how it finished), which both sides must publish identically.
+- generate: the real engine child (the synthetic engine: --step-ms a step, every request
+  in one batch, no model), whose steps come through the pipe and are read on the event
+  loop as the worker reads them, the real `GenerateHandler` (chunks of at most
+  --chunk-tokens tokens, cut there while the producer has unacknowledged records, as a
+  saturated worker's are) and the real `Publisher` with an aiokafka producer, which
+  publishes every chunk to a real broker and waits for its acknowledgement. Timed from the
+  first request handed over to the last final chunk acknowledged; the engine child's CPU
+  is not counted (on a GPU machine that is the model's work), nor the request consumer
+  (a request is 256 tokens of work here). Checked: what every request said (its token
+  ids and how it ended), identical on both sides.
+- derender: the real derender worker's loop (`workers.kafka.runtime.serve`: producer,
+  consumer loop, `DerenderHandler`) over chunk records put on the broker once before the
+  runs (ops/bench/derender_worker.py's: streamed completions of the synthetic engine's
+  ids), read from the start in a new consumer group each run. Timed from its partitions
+  being assigned to every result acknowledged. Checked: the number of results.
+
+CPU is the side's own process, every thread, per token. Sides alternate ABBA
+(ops/bench/paired.py): on a shared 2-core box a stage's CPU per token drifts by
+0.8-1.3x between minutes (BENCHMARKS.md), and the median of back-to-back pairs is the
+figure that survives it.
 """
 
 from __future__ import annotations
@@ -83,6 +90,42 @@ async def run_side(outputs, publisher, settings, k: int, requests: int, tokens: 
             "failed": publisher.failed}
 
 
+async def run_derender(derenderer, settings, records: int, tokens: int) -> dict:
+    """The real derender worker's loop (`serve`: its producer, consumer loop and handler)
+    over the `records` chunk records of `settings`' chunk topic, from the start, in a new
+    consumer group; timed from its partitions being assigned to every result acknowledged."""
+    from workers.derender.worker import DerenderHandler
+    from workers.kafka.runtime import serve as serve_worker
+
+    derenderer.reset()  # the same request ids every run: forget the last run's
+    stop, handlers, marks = asyncio.Event(), [], {}
+
+    def make_handler(publisher, offsets):
+        handlers.append(DerenderHandler(settings, publisher, offsets, derenderer))
+        return handlers[0]
+
+    async def until_done():
+        while not handlers or "start" not in marks:
+            await asyncio.sleep(0.005)
+        handler = handlers[0]
+        while derenderer.stats.results < marks["results"] + records or handler._pending \
+                or handler.publisher.in_flight:
+            await asyncio.sleep(0.005)  # the condition, polled
+        marks["cpu_s"] = time.process_time() - marks["start"]
+        stop.set()
+
+    marks["results"] = derenderer.stats.results
+    done = asyncio.ensure_future(until_done())
+    await serve_worker(settings, topic=settings.topic("chunks"), group_id=f"{settings.topic_prefix}-{uuid.uuid4().hex[:8]}",
+                       make_handler=make_handler, stop=stop, grace_s=10, worker="derender",
+                       on_ready=lambda: marks.setdefault("start", time.process_time()),
+                       uses=[settings.topic("results"), settings.topic("cancel")])
+    await done
+    handler = handlers[0]
+    return {"cpu_s": marks["cpu_s"], "digest": str(derenderer.stats.results - marks["results"]), "tokens": tokens,
+            "records": records, "failed": handler.publisher.failed}
+
+
 async def serve(args) -> None:
     """One side on its loop, kept up: per line on stdin (k=N), one timed run; a JSON line out."""
     import gc
@@ -98,18 +141,55 @@ async def serve(args) -> None:
     publisher = Publisher(producer, settings.topic("dlq"))
     gc.freeze()  # as the worker does once up (workers/gc_tuning.py)
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    warm: set[int] = set()
+    from workers.derender.state import Derenderer
+    from workers.models.tinymodel import default_model_dir
+
+    derenderer = Derenderer(str(default_model_dir("spm")))
+    warm: set[str] = set()
     try:
         while line := await asyncio.to_thread(sys.stdin.readline):
-            k = int(line.strip().split("=")[1])
-            if k not in warm:
-                await run_side(outputs, publisher, settings, k, args.requests, args.tokens, args.chunk_tokens)
-                warm.add(k)
-            result = await run_side(outputs, publisher, settings, k, args.requests, args.tokens, args.chunk_tokens)
+            stage, k = line.split()[0], int(line.split()[1].split("=")[1])
+            for _ in range(1 if line in warm else 2):  # the first run of a workload warms up
+                if stage == "generate":
+                    result = await run_side(outputs, publisher, settings, k, args.requests, args.tokens,
+                                            args.chunk_tokens)
+                else:
+                    chunks = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"{args.prefix}-d{k}")
+                    records = args.requests * -(-args.tokens // args.chunk_tokens)  # as fill_chunks makes them
+                    result = await run_derender(derenderer, chunks, records, args.requests * args.tokens)
+            warm.add(line)
             print(json.dumps({**result, "loop": loop}), flush=True)
     finally:
         outputs.engine.stop()
         await producer.stop()
+
+
+def fill_chunks(bootstrap_servers: str, prefix: str, k: int, requests: int, tokens: int, chunk_tokens: int) -> None:
+    """The derender stage's input: ops/bench/derender_worker.py's chunk records (completions
+    of the synthetic engine's ids, streamed), on `prefix`'s topics, once."""
+    from derender_worker import build_messages  # noqa: E402  (ops/bench/derender_worker.py)
+
+    from workers.broker.topics import create_topics
+    from workers.derender.vocab import VocabTables
+    from workers.kafka.clients import make_producer
+    from workers.kafka.settings import KafkaSettings
+    from workers.models.tinymodel import build_tokenizer
+
+    settings = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=prefix)
+    messages, _ = build_messages(VocabTables(build_tokenizer("spm")), "completion", "synthetic", k, requests, tokens,
+                                 chunk_tokens)
+
+    async def produce():
+        await create_topics(settings, partitions=8)
+        producer = make_producer(settings)
+        await producer.start()
+        try:
+            for _, partition, _, value, headers in messages:
+                await producer.send(settings.topic("chunks"), value, partition=partition, headers=headers)
+            await producer.flush()
+        finally:
+            await producer.stop()
+    asyncio.run(produce())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=10)
     parser.add_argument("--step-ms", type=float, default=2.0, help="the synthetic engine's step time")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 5], help="logprobs per position, a workload each")
+    parser.add_argument("--stages", nargs="+", choices=["generate", "derender"], default=["generate", "derender"])
     parser.add_argument("--serve", choices=["asyncio", "uvloop"], help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -136,25 +217,29 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"evl-{uuid.uuid4().hex[:6]}"
     asyncio.run(create_topics(KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=prefix),
                               partitions=8))
-    print(f"{args.requests} requests x {args.tokens} tokens in one batch, {args.step_ms:g} ms steps, "
-          f"{args.chunk_tokens} tokens/chunk, chunks to {args.bootstrap_servers} ({prefix}.chunks); {args.rounds} runs a side, "
-          f"interleaved; the side's own CPU, best run")
-    print(f"{'workload':<9} {'asyncio us/tok':>14} {'uvloop us/tok':>13} {'ratio':>6} {'paired':>7}  "
-          f"{'chunks (last run)':>18}  what requests said")
+    if "derender" in args.stages:
+        for k in args.k:
+            fill_chunks(args.bootstrap_servers, f"{prefix}-d{k}", k, args.requests, args.tokens, args.chunk_tokens)
+    print(f"{args.requests} requests x {args.tokens} tokens, {args.chunk_tokens} tokens/chunk, {args.step_ms:g} ms "
+          f"steps, broker {args.bootstrap_servers} (topics {prefix}*); {args.rounds} runs a side, interleaved; "
+          f"the side's own CPU, best run")
+    print(f"{'workload':<13} {'asyncio us/tok':>14} {'uvloop us/tok':>13} {'ratio':>6} {'paired':>7}  "
+          f"{'records':>8}  what requests said")
     common = ["--bootstrap-servers", args.bootstrap_servers, "--prefix", prefix, "--requests", str(args.requests),
               "--tokens", str(args.tokens), "--chunk-tokens", str(args.chunk_tokens), "--step-ms", str(args.step_ms)]
     # paired.py's "ref" is the reference side: Python's loop; "new" is uvloop
     sides = {"ref": Side(HERE, ROOT, ["asyncio", *common]), "new": Side(HERE, ROOT, ["uvloop", *common])}
     same = True
     try:
-        for k in args.k:
-            r = interleaved(sides, f"k={k}", args.rounds)
-            tokens, best = r["tokens"], r["best"]
-            same &= r["identical"] and not r["failed"]
-            print(f"{'k=' + str(k):<9} {best['ref'] / tokens * 1e6:>14.2f} {best['new'] / tokens * 1e6:>13.2f} "
-                  f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  {r['records']:>18}  "
-                  f"{'identical' if r['identical'] else 'DIFFERENT'}{', publish failures' if r['failed'] else ''}",
-                  flush=True)
+        for stage in args.stages:
+            for k in args.k:
+                r = interleaved(sides, f"{stage} k={k}", args.rounds)
+                tokens, best = r["tokens"], r["best"]
+                same &= r["identical"] and not r["failed"]
+                print(f"{stage + ' k=' + str(k):<13} {best['ref'] / tokens * 1e6:>14.2f} "
+                      f"{best['new'] / tokens * 1e6:>13.2f} {best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x  "
+                      f"{r['records']:>8}  {'identical' if r['identical'] else 'DIFFERENT'}"
+                      f"{', publish failures' if r['failed'] else ''}", flush=True)
     finally:
         for side in sides.values():
             side.close()
