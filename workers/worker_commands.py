@@ -71,8 +71,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="the event loop the worker runs on (env GENPIPE_EVENT_LOOP): uvloop (a "
                              "dependency of genpipe) or Python's own asyncio loop; auto (default) takes "
                              "uvloop where it is installed. The generate worker's loop is callback-heavy "
-                             "(engine steps, publish tasks, producer acks): on uvloop it spends less CPU "
-                             "per token (BENCHMARKS.md, \"The workers on uvloop\")")
+                             "(engine steps, publish tasks, producer acks): on uvloop it spent 1.04-1.12x "
+                             "less CPU per token (BENCHMARKS.md, \"Another CPU, and the workers on "
+                             "uvloop\")")
     add_log_level(parser)
 
 
