@@ -48,7 +48,8 @@ from engine_read import start_engine  # noqa: E402  (ops/bench/engine_read.py)
 from paired import Message, Side, fixed_chunk_policy, interleaved  # noqa: E402  (ops/bench/paired.py)
 
 
-async def run_side(outputs, publisher, settings, k: int, requests: int, tokens: int, chunk_tokens: int) -> dict:
+async def run_generate(outputs, publisher, settings, k: int, requests: int, tokens: int, chunk_tokens: int) -> dict:
+    """The generate stage (see above): one batch of `requests`, timed to the last ack."""
     from aiokafka import TopicPartition
 
     from schemas import GenerateRequest, SamplingParams, encode, headers_for
@@ -127,12 +128,15 @@ async def run_derender(derenderer, settings, records: int, tokens: int) -> dict:
 
 
 async def serve(args) -> None:
-    """One side on its loop, kept up: per line on stdin (k=N), one timed run; a JSON line out."""
+    """One side on its loop, kept up: per line on stdin (a workload: "generate k=N" or
+    "derender k=N"), one timed run; a JSON line out."""
     import gc
 
+    from workers.derender.state import Derenderer
     from workers.kafka.clients import make_producer
     from workers.kafka.publisher import Publisher
     from workers.kafka.settings import KafkaSettings
+    from workers.models.tinymodel import default_model_dir
 
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=args.prefix)
     outputs = await start_engine(args.step_ms / 1000, args.requests)
@@ -141,9 +145,6 @@ async def serve(args) -> None:
     publisher = Publisher(producer, settings.topic("dlq"))
     gc.freeze()  # as the worker does once up (workers/gc_tuning.py)
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    from workers.derender.state import Derenderer
-    from workers.models.tinymodel import default_model_dir
-
     derenderer = Derenderer(str(default_model_dir("spm")))
     warm: set[str] = set()
     try:
@@ -151,7 +152,7 @@ async def serve(args) -> None:
             stage, k = line.split()[0], int(line.split()[1].split("=")[1])
             for _ in range(1 if line in warm else 2):  # the first run of a workload warms up
                 if stage == "generate":
-                    result = await run_side(outputs, publisher, settings, k, args.requests, args.tokens,
+                    result = await run_generate(outputs, publisher, settings, k, args.requests, args.tokens,
                                             args.chunk_tokens)
                 else:
                     chunks = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"{args.prefix}-d{k}")
