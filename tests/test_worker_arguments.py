@@ -1,4 +1,5 @@
-"""The workers' command lines refuse out-of-range numbers with one usage line (no broker)."""
+"""The command lines refuse out-of-range numbers and unknown choices, given as flags or in
+the environment, with one usage line (no broker)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,38 @@ def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypa
     with pytest.raises(SystemExit):
         parse(["generate-worker"])
     assert "got 'uvlop'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variable, typo, argv, message", [
+    # argparse checks choices= on flags only: these typos used to pass (the log level
+    # silently became INFO, the dtype failed inside the engine child, the protocol inside
+    # aiokafka). Each is now the same usage error as the flag's.
+    ("GENPIPE_LOG_LEVEL", "loud", ["derender-worker"],
+     "argument --log-level: expected one of DEBUG, INFO, WARNING, ERROR, got 'loud'"),
+    ("GENPIPE_LOG_LEVEL", "verbose", ["serve"], "argument --log-level: expected one of DEBUG"),
+    ("GENPIPE_DTYPE", "fp16", ["generate-worker"],
+     "argument --dtype: expected one of float32, bfloat16, float16, got 'fp16'"),
+    ("GENPIPE_SECURITY_PROTOCOL", "TLS", ["tail"],
+     "argument --security-protocol: expected one of PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL, got 'TLS'"),
+])
+def test_choices_from_the_environment_are_checked_like_flags(variable, typo, argv, message, monkeypatch, capsys):
+    monkeypatch.setenv(variable, typo)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_log_level_and_security_protocol_take_any_case(monkeypatch):
+    monkeypatch.setenv("GENPIPE_LOG_LEVEL", "warning")
+    monkeypatch.setenv("GENPIPE_SECURITY_PROTOCOL", "sasl_ssl")
+    args = parse(["generate-worker"])
+    assert (args.log_level, args.security_protocol) == ("WARNING", "SASL_SSL")
+    assert parse(["derender-worker", "--log-level", "Debug"]).log_level == "DEBUG"
+    monkeypatch.delenv("GENPIPE_DTYPE", raising=False)
+    assert parse(["generate-worker"]).dtype == "float32"
+    with pytest.raises(SystemExit):  # dtypes are names torch spells one way: not folded
+        parse(["generate-worker", "--dtype", "BFloat16"])
 
 
 def test_event_loop_factory_takes_uvloop_and_says_when_it_is_missing(monkeypatch):

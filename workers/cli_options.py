@@ -22,6 +22,21 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def one_of(*choices: str, fold_case: bool = False):
+    """An argparse type: one of `choices` (any case with `fold_case`, given back as the
+    choice is spelled). argparse checks `choices=` on flags only, not on a default taken
+    from the environment, so a typo in a deployment's GENPIPE_* variable went through
+    unchecked; a type checks both. Give the parser `metavar="{a,b}"` for the help."""
+    spelled = {(choice.lower() if fold_case else choice): choice for choice in choices}
+
+    def parse(text: str) -> str:
+        choice = spelled.get(text.lower() if fold_case else text)
+        if choice is None:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return choice
+    return parse
+
+
 def add_max_logprobs(parser: argparse.ArgumentParser) -> None:
     """`--max-logprobs`, parsed the same by both workers and the offline derenderers."""
     import os
@@ -61,6 +76,7 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
     """`--log-level`, the same for every long-running command."""
     import os
 
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
     parser.add_argument("--log-level", default=os.environ.get("GENPIPE_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"],
-                        help="log level (env GENPIPE_LOG_LEVEL; default %(default)s)")
+                        type=one_of(*levels, fold_case=True), metavar="{" + ",".join(levels) + "}",
+                        help="log level, in any case (env GENPIPE_LOG_LEVEL; default %(default)s)")

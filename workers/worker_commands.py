@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from workers.cli_options import add_log_level, add_max_logprobs, at_least
+from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
@@ -20,16 +20,6 @@ def _pattern(text: str) -> str:
         reply_topic_rule("genpipe", text)
     except ReplyTopicPatternError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-
-
-def _event_loop(text: str) -> str:
-    """An argparse type (also applied to GENPIPE_EVENT_LOOP, which choices= would not check)."""
-    if text not in EVENT_LOOPS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(EVENT_LOOPS)}, got {text!r}")
     return text
 
 
@@ -66,7 +56,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "requests, chunks, cancel and dlq topics are never allowed. A request "
                              "outside it gets an invalid_request_error on <prefix>.results. Use the "
                              "same value for both workers.")
-    parser.add_argument("--event-loop", type=_event_loop, metavar="{auto,uvloop,asyncio}",
+    parser.add_argument("--event-loop", type=one_of("auto", "uvloop", "asyncio"), metavar="{auto,uvloop,asyncio}",
                         default=os.environ.get("GENPIPE_EVENT_LOOP", "auto"),
                         help="the event loop the worker runs on (env GENPIPE_EVENT_LOOP): uvloop (a "
                              "dependency of genpipe) or Python's own asyncio loop; auto (default) takes "
@@ -185,7 +175,7 @@ def register(sub) -> None:
     gen.add_argument("--device", default=os.environ.get("GENPIPE_DEVICE", "cpu"),
                      help="cpu, cuda or cuda:N (env GENPIPE_DEVICE; default %(default)s)")
     gen.add_argument("--dtype", default=os.environ.get("GENPIPE_DTYPE", "float32"),
-                     choices=["float32", "bfloat16", "float16"],
+                     type=one_of("float32", "bfloat16", "float16"), metavar="{float32,bfloat16,float16}",
                      help="weights and KV cache dtype; logprobs are computed in float32 either way "
                           "(env GENPIPE_DTYPE; default %(default)s)")
     gen.add_argument("--max-batch", type=at_least(1), default=os.environ.get("GENPIPE_MAX_BATCH", "32"),

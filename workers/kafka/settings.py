@@ -12,6 +12,8 @@ import os
 import ssl
 from dataclasses import dataclass, field, replace
 
+from workers.cli_options import one_of
+
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 DEFAULT_TOPIC_PREFIX = "genpipe"
 # The six topics of docs/design.md §2, by role; their names are "<prefix>.<role>".
@@ -92,10 +94,12 @@ class KafkaSettings:
         group.add_argument(
             "--topic-prefix", default=env.topic_prefix,
             help="prefix of the six genpipe topics (env GENPIPE_TOPIC_PREFIX; default %(default)s)")
+        protocols = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
         group.add_argument(
             "--security-protocol", default=env.security_protocol,
-            choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
-            help="env GENPIPE_SECURITY_PROTOCOL (default %(default)s)")
+            type=one_of(*protocols, fold_case=True), metavar="{" + ",".join(protocols) + "}",
+            help="in any case, as Kafka's own clients take it (env GENPIPE_SECURITY_PROTOCOL; "
+                 "default %(default)s)")
         group.add_argument("--sasl-mechanism", default=env.sasl_mechanism,
                            help="e.g. PLAIN, SCRAM-SHA-256 (env GENPIPE_SASL_MECHANISM)")
         group.add_argument("--sasl-username", default=env.sasl_plain_username,
