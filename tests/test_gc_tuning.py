@@ -7,7 +7,8 @@ import gc
 
 import pytest
 
-from workers.gc_tuning import YOUNG_THRESHOLD, tune_after_startup
+from workers.gc_tuning import YOUNG_THRESHOLD, check_setting, tune_after_startup
+from workers.startup import UsageError
 
 
 @pytest.fixture
@@ -50,3 +51,15 @@ def test_turned_off_keeps_pythons_defaults(restore_gc, monkeypatch):
     assert not tune_after_startup()
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_setting_is_0_or_1_and_nothing_else(monkeypatch):
+    monkeypatch.delenv("GENPIPE_GC_TUNING", raising=False)
+    assert check_setting() is True
+    for value, on in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv("GENPIPE_GC_TUNING", value)
+        assert check_setting() is on
+    for typo in ("false", "off", "no", ""):
+        monkeypatch.setenv("GENPIPE_GC_TUNING", typo)
+        with pytest.raises(UsageError, match="expected 1 .* or 0"):
+            check_setting()

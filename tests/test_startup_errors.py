@@ -63,6 +63,16 @@ def test_generate_worker_on_cuda_without_a_gpu(capsys):
     assert "--device" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("command", ["generate-worker", "derender-worker", "serve"])
+def test_a_gc_tuning_setting_other_than_0_or_1_stops_the_command_at_start(command, monkeypatch, capsys):
+    # Before: anything but "0" meant on, so a deployment's GENPIPE_GC_TUNING=false or off
+    # tuned the collector while saying not to.
+    monkeypatch.setenv("GENPIPE_GC_TUNING", "off")
+    assert main([command, "--bootstrap-servers", "127.0.0.1:1"]) == 2  # before any connection
+    assert one_error_line(capsys) == (f"genpipe {command}: error: GENPIPE_GC_TUNING='off': expected 1 (tune the "
+                                      "garbage collector once up, the default) or 0 (keep Python's defaults)")
+
+
 def test_derender_worker_with_a_model_path_that_is_not_there(capsys):
     assert main(["derender-worker", "--tokenizer", "path/to/model"]) == 2
     assert "--tokenizer path/to/model: the tokenizer directory does not exist" in one_error_line(capsys)

@@ -20,7 +20,8 @@ mostly freed before a collection comes: in the derender under load its collector
 fell from 9-13% of its own to 1-3% (BENCHMARKS.md, "The collector's young threshold"). A
 collection then scans up to ~10,000 objects at once (a few ms on a slow core) instead of
 700 (well under 1 ms), and far less often. Reference cycles are still collected as
-before. `GENPIPE_GC_TUNING=0` keeps Python's defaults.
+before. `GENPIPE_GC_TUNING=0` keeps Python's defaults; any value but 0 and 1 stops the
+command at start (`check_setting`): `false` or `off` used to mean on.
 """
 
 from __future__ import annotations
@@ -32,10 +33,22 @@ import os
 YOUNG_THRESHOLD = 10_000
 
 
+def check_setting() -> bool:
+    """Whether GENPIPE_GC_TUNING turns the tuning on: 1 (the default) or 0; anything else
+    is a usage error, raised when a command starts rather than once it is up."""
+    from workers.startup import UsageError
+
+    value = os.environ.get("GENPIPE_GC_TUNING", "1").strip()
+    if value not in ("0", "1"):
+        raise UsageError(f"GENPIPE_GC_TUNING={value!r}: expected 1 (tune the garbage collector once up, "
+                         f"the default) or 0 (keep Python's defaults)")
+    return value == "1"
+
+
 def tune_after_startup() -> bool:
     """Freeze what start-up built (once the worker is up) and raise the young
     generation's threshold; False when turned off."""
-    if os.environ.get("GENPIPE_GC_TUNING", "1") == "0":
+    if not check_setting():
         return False
     gc.collect()
     gc.freeze()

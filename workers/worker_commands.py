@@ -69,13 +69,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+    from workers.gc_tuning import check_setting as check_gc_setting
     from workers.generate.chunks import ChunkPolicy
-
     from workers.startup import check_device, check_model_dir
 
     if args.model:
         check_model_dir(args.model)
     check_device(args.device)
+    check_gc_setting()
     _setup_logging(args.log_level)
     if args.threads and args.engine_in == "thread":  # a child engine process sets its own
         import torch
@@ -99,10 +100,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_derender(args: argparse.Namespace) -> int:
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
+    from workers.gc_tuning import check_setting as check_gc_setting
     from workers.startup import check_tokenizer_dir
 
     if args.tokenizer:
         check_tokenizer_dir(args.tokenizer)
+    check_gc_setting()
     _setup_logging(args.log_level)
     settings = KafkaSettings.from_args(args, client_id="genpipe-derender")
     config = DerenderWorkerConfig(

@@ -41,11 +41,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from workers.gateway.app import Gateway, GatewayConfig
+    from workers.gc_tuning import check_setting as check_gc_setting
     from workers.models.tinymodel import default_model_dir
     from workers.startup import check_tokenizer_dir
 
     if args.tokenizer:
         check_tokenizer_dir(args.tokenizer)
+    check_gc_setting()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_open_files_limit()
