@@ -92,6 +92,8 @@ async def test_fifty_concurrent_requests_stream_ordered_chunks_equal_to_the_engi
         assert [c.seq for c in got] == list(range(len(got))), "chunks in seq order, no gaps"
         assert len({c.attempt for c in got}) == 1
         assert got[-1].finish_reason in ("length", "stop") and all(c.finish_reason is None for c in got[:-1])
+        if got[-1].finish_reason == "length":  # the last token ends it: it rides on the final chunk, never
+            assert got[-1].token_ids, request.request_id  # a final of its own after the chunk that took it
         ids = [t for c in got for t in c.token_ids]
         assert ids == reference[request.request_id], request.request_id
         offsets = [c.token_offset for c in got]

@@ -34,9 +34,9 @@ BATCH_SIZE = Histogram("genpipe_batch_size", "Requests in one engine step", ["wo
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 CHUNK_STRETCH = Gauge("genpipe_chunk_stretch", "How many times rarer and bigger than configured a generate "
                       "worker makes its chunks, because it is behind its engine (1: not behind)", ["worker"])
-CHUNK_HOLD = Histogram("genpipe_chunk_hold_seconds", "How long the oldest token of a chunk waited in the "
-                       "generate worker to be coalesced (from its step reaching the worker to the chunk "
-                       "being taken)", ["worker"],
+CHUNK_HOLD = Histogram("genpipe_chunk_hold_seconds", "How long the oldest token of a chunk waited to be "
+                       "coalesced (from its step reaching the engine's token holder to the chunk being "
+                       "taken in the generate worker)", ["worker"],
                        # finer where the policy acts: its delay cap (20 ms) up to 4x that, stretched
                        buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08,
                                 0.1, 0.15, 0.2, 0.5, 1, 5))

@@ -1,6 +1,7 @@
-"""A running request's chunk state, and turning its pending tokens into chunk records
-that fit (docs/design.md §3-4). No Kafka I/O and no engine here: the handler decides when
-to take chunks and publishes them."""
+"""When a request's tokens leave as a chunk (the policy, applied by the engine's token
+holder: token_holder.py), a running request's chunk state in the worker, and turning its
+pending tokens into chunk records that fit (docs/design.md §3-4). No Kafka I/O and no
+engine here: the handler takes chunks and publishes them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ W = "generate"  # metrics label
 
 @dataclass
 class ChunkPolicy:
-    """When to publish a request's pending tokens (docs/design.md §4 coalescing).
+    """When to publish a request's pending tokens (docs/design.md §4 coalescing). Applied
+    on the engine's side of the pipe (token_holder.py), which hands the worker only the
+    tokens that are due; the worker tells it whether its producer lags and how far to
+    stretch (`tune`), and cuts chunks at `max_tokens`.
 
     Every chunk record costs the same downstream whatever it holds (a result record, a
     producer send, ~60 µs of derender CPU: BENCHMARKS.md "Throughput"), so at high rates
@@ -92,8 +96,8 @@ class ChunkPolicy:
 
     def due(self, states: Iterable[InFlight], now: float, lagging: bool, interval_s: float) -> list[InFlight]:
         """The open requests among `states` with pending tokens that are due at `now`:
-        `due_at(...) <= now` for each, without a call per request (the handler asks this for
-        every running request at every step: the calls were ~5% of its loop at batch 256;
+        `due_at(...) <= now` for each, without a call per request (the holder asks this for
+        every running request at every step: the calls were ~5% of a loop at batch 256;
         tests/test_chunk_policy.py checks the two agree). A pending token was sampled at or
         before now, so `max(first_pending_at, last_chunk_at + interval_s) <= now` is
         `last_chunk_at + interval_s <= now`."""
@@ -142,13 +146,11 @@ class InFlight:
     token_offset: int = 0  # output index of the first pending token
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)
-    pending_since: float = 0.0  # when the first pending token was sampled (monotonic)
-    last_chunk_at: float = float("-inf")  # when the previous chunk was taken (monotonic)
+    pending_since: float = 0.0  # when the first pending token reached the engine's holder, or else the worker (monotonic)
     prompt_logprobs: list | None = None
     sampled_at_ns: int | None = None
     closed: bool = False  # the final chunk is taken: nothing may follow it
     received_at: float = field(default_factory=time.monotonic)
-    last_token_at: float | None = None
 
 
 @dataclass

@@ -7,7 +7,7 @@ from another process cost it nothing (BENCHMARKS.md, engine (c)). So by default 
 worker runs the engine and its stepping thread (`EngineThread`) in a child process,
 like vLLM v1's engine core, and talks to it through two one-way pipes:
 
-    parent → child   Add(request) | Abort(request_id, reason) | Stop()
+    parent → child   Add(request) | Abort(request_id, reason) | Tune(lagging, stretch) | Stop()
     child → parent   Ready(limits) | Step(outputs, step_s) | Failed(error)
 
 The worker reads the child's pipe on its event loop (`StepReader`, an asyncio protocol),
@@ -41,6 +41,7 @@ import msgspec
 from schemas.errors import ValidationError
 from schemas.records import GenerateRequest
 from schemas.validation import validate_request
+from workers.generate.chunks import ChunkPolicy
 from workers.generate.engine_thread import EngineThread, engine_limits
 from workers.generate.logprob_entries import encode_pending
 from workers.generate.outputs import StepOutputs
@@ -63,6 +64,13 @@ class Abort(msgspec.Struct, tag=True):
     reason: str
 
 
+class Tune(msgspec.Struct, tag=True):
+    """The worker's state that the chunk policy reads (workers/generate/token_holder.py)."""
+
+    lagging: bool
+    stretch: float
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
@@ -83,7 +91,7 @@ class Failed(msgspec.Struct, tag=True):
 # enc_hook: a step's logprob entries are encoded here, in the outbox thread, the whole
 # step at once (workers/generate/logprob_wire.py StepEntries), not inside the step.
 _encode = msgspec.msgpack.Encoder(enc_hook=encode_pending).encode
-_decode_to_child = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
+_decode_to_child = msgspec.msgpack.Decoder(Add | Abort | Tune | Stop).decode
 _decode_from_child = msgspec.msgpack.Decoder(Ready | Step | Failed).decode
 
 # The child's messages are framed here, not by multiprocessing (whose framing is its
@@ -126,9 +134,11 @@ StepSink = Callable[[StepOutputs, float], "asyncio.Future | None"]
 
 class EngineProcess:
     def __init__(self, engine_options: dict[str, Any], step_sink: StepSink, *, min_step_s: float = 0.0,
-                 threads: int = 0, start_timeout_s: float = 600.0, max_steps_waiting: int = 4):
+                 threads: int = 0, start_timeout_s: float = 600.0, max_steps_waiting: int = 4,
+                 policy: ChunkPolicy | None = None):
         self.engine_options = engine_options  # Engine(**engine_options) in the child
         self.min_step_s = min_step_s
+        self.policy = policy  # the chunk policy the child's engine thread holds tokens by (None: it holds none)
         self.threads = threads
         self.start_timeout_s = start_timeout_s
         self.max_steps_waiting = max_steps_waiting
@@ -151,7 +161,7 @@ class EngineProcess:
         self._steps, child_steps = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_child_main, args=(child_commands, child_steps, self.engine_options, self.min_step_s,
-                                      self.threads),
+                                      self.threads, self.policy),
             name="genpipe-engine", daemon=True)
         self._process.start()
         child_commands.close()  # the child's copies are the only ones left: its exit means EOF here
@@ -187,6 +197,9 @@ class EngineProcess:
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._send(Abort(request_id, reason))
+
+    def tune(self, lagging: bool, stretch: float) -> None:
+        self._send(Tune(lagging, stretch))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the child (blocking, at most `timeout` s before it is killed). On the loop
@@ -401,7 +414,8 @@ class Outbox:
                 return
 
 
-def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int) -> None:
+def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int,
+                policy: ChunkPolicy | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
     import torch
@@ -430,10 +444,10 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
             outbox.put(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
-        elif outputs:
+        elif outputs or outputs.batch:  # (a step that hands on nothing still carries its metrics)
             outbox.put(Step(outputs, step_s))
 
-    thread = EngineThread(engine, deliver, min_step_s=min_step_s)
+    thread = EngineThread(engine, deliver, min_step_s=min_step_s, policy=policy)
     thread.start()
     try:
         while thread.failure is None:
@@ -445,6 +459,8 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
                     log.warning("engine refused %s: %s", message.request.request_id, exc)
             elif isinstance(message, Abort):
                 thread.abort(message.request_id, message.reason)
+            elif isinstance(message, Tune):
+                thread.tune(message.lagging, message.stretch)
             else:
                 break
     except (EOFError, OSError):

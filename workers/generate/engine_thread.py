@@ -9,6 +9,12 @@ posts them to its loop; the engine process sends them down its pipe).
 when a request arrives). The built-in tiny model steps in a few ms on a CPU, far faster
 than a real model on a GPU; pacing it (e.g. 20 ms ≈ 50 tokens/s per request) lets
 benchmarks and demos measure the Kafka side at a realistic token rate.
+
+Given the worker's chunk `policy`, the thread holds each request's tokens until its
+chunk is due (token_holder.py) and hands on only those: after each step, and in the
+pause between paced steps as they fall due. A token is held at most the policy's
+`max_delay_s`, or to the end of the step under way if that is longer (a long prefill).
+Without a policy every token is handed on at its step.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import time
 from typing import Callable
 
 from schemas.validation import validate_request
+from workers.generate.chunks import ChunkPolicy
 from workers.generate.outputs import StepOutputs
+from workers.generate.token_holder import TokenHolder
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +37,10 @@ Deliver = Callable[[StepOutputs, float], None]
 
 
 class EngineThread:
-    def __init__(self, engine, deliver: Deliver, min_step_s: float = 0.0):
+    def __init__(self, engine, deliver: Deliver, min_step_s: float = 0.0, policy: ChunkPolicy | None = None):
         self.engine = engine
         self.min_step_s = min_step_s
+        self.holder = TokenHolder(policy) if policy is not None else None
         self._deliver = deliver
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -55,6 +64,11 @@ class EngineThread:
         self.engine.abort(request_id, reason)
         self._wake.set()
 
+    def tune(self, lagging: bool, stretch: float) -> None:
+        """The worker's state for the chunk policy (TokenHolder.tune); any thread."""
+        if self.holder is not None:
+            self.holder.tune(lagging, stretch)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -70,14 +84,26 @@ class EngineThread:
                     continue
                 started = time.perf_counter()
                 outputs = self.engine.step()
-                self._deliver(outputs, time.perf_counter() - started)
-                left = self.min_step_s - (time.perf_counter() - started)
-                if left > 0 and self._wake.wait(left):  # a new request ends the pause
-                    self._wake.clear()
+                step_s = time.perf_counter() - started
+                if self.holder is not None:
+                    outputs = self.holder.step(outputs, time.monotonic())
+                self._deliver(outputs, step_s)
+                self._pause(started + self.min_step_s)
         except BaseException as exc:  # surface to the worker, which exits non-zero
             log.exception("engine thread failed")
             self.failure = exc
             self._deliver(StepOutputs(), 0.0)
+
+    def _pause(self, until: float) -> None:
+        """Wait until `until` (perf_counter) for the next paced step, handing on held
+        tokens as they fall due; a new request ends the pause."""
+        while (left := until - time.perf_counter()) > 0:
+            wait = left if self.holder is None else min(left, self.holder.wait_s(time.monotonic()))
+            if self._wake.wait(wait):
+                self._wake.clear()
+                return
+            if self.holder is not None and (due := self.holder.release(time.monotonic())) is not None:
+                self._deliver(due, 0.0)
 
 
 def engine_limits(engine) -> dict[str, int]:

@@ -21,7 +21,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     request_id: str
     # A tuple when decoded from the pipe (a tuple of numbers is dropped from the garbage
     # collector's view, a list is not); the engine builds lists, which encode the same.
-    token_ids: tuple[int, ...]  # 0 or 1 new ids
+    token_ids: tuple[int, ...]  # the new ids: 0 or 1 from a step, more from the holder (token_holder.py)
     # Aligned with token_ids, if asked: each position's GenerateLogProbsContent as msgpack,
     # which the worker puts into its chunk records as it is (logprobs_raw). The engine
     # hands over PendingEntry objects, encoded a step at a time as the step is sent
@@ -32,7 +32,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first output only
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # all ids generated so far, these included
-    sampled_at_ns: int = 0
+    sampled_at_ns: int = 0  # when the newest of token_ids was sampled
+    held_since: float = 0.0  # when the first of token_ids reached the holder (monotonic; 0: not held)
 
 
 class StepOutputs(msgspec.Struct, gc=False, array_like=True):
@@ -56,6 +57,11 @@ class StepOutputs(msgspec.Struct, gc=False, array_like=True):
     logprobs: tuple[bytes | None, ...] | None = None
     sampled_at_ns: int = 0  # when the column tokens were sampled
     others: list[RequestOutput] = []
+    # Set by the holder (token_holder.py), which hands on only what is due: the engine
+    # step's size and the longest gap between a request's previous token and the step's
+    # (0 when it handed on no step: tokens that fell due between steps).
+    batch: int = 0
+    gap_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.request_ids) + len(self.others)

@@ -24,7 +24,7 @@ from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import BATCH_SIZE, STEP_TIME, series
+from workers.metrics import BATCH_SIZE, INTER_TOKEN, STEP_TIME, series
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
@@ -147,9 +147,11 @@ class EngineOutputs:
 
 
 def _observe(outputs: StepOutputs, step_s: float) -> None:
-    if step_s:
+    if step_s:  # an engine step (not tokens the holder handed on between steps)
         series(STEP_TIME, W).observe(step_s)
-        series(BATCH_SIZE, W).observe(len(outputs))
+        series(BATCH_SIZE, W).observe(outputs.batch or len(outputs))  # (batch: the holder's; it hands on fewer)
+        if outputs.gap_s:
+            series(INTER_TOKEN, W).observe(outputs.gap_s)
 
 
 async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
@@ -162,7 +164,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     outputs = EngineOutputs(asyncio.get_running_loop())
     if engine is None and config.engine_in == "process":
         outputs.engine = EngineProcess(engine_options(config), outputs.on_step, min_step_s=config.min_step_s,
-                                       threads=config.threads, max_steps_waiting=outputs.max_steps_waiting)
+                                       threads=config.threads, max_steps_waiting=outputs.max_steps_waiting,
+                                       policy=config.policy)
         try:
             await asyncio.to_thread(outputs.engine.start)  # loads the model; the loop stays free
         except RuntimeError as exc:
@@ -179,7 +182,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
             resolve_pending(step)  # the logprob entries as bytes, on the engine thread: no pipe encodes them
             outputs.deliver(step, step_s)
 
-        outputs.engine = EngineThread(engine, deliver, min_step_s=config.min_step_s)
+        outputs.engine = EngineThread(engine, deliver, min_step_s=config.min_step_s, policy=config.policy)
         outputs.engine.start()  # idle until the first request arrives
 
     def make_handler(publisher, offsets):

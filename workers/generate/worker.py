@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from itertools import repeat
 
 import msgspec
 from aiokafka import TopicPartition
@@ -30,7 +31,7 @@ from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import (CHUNK_HOLD, CHUNK_STRETCH, DLQ, ERRORS, INTER_TOKEN, IN_FLIGHT, REQUESTS, TTFT, WAITING,
+from workers.metrics import (CHUNK_HOLD, CHUNK_STRETCH, DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING,
                              HistogramBatch, series)
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class GenerateHandler(Handler):
         self._idle = asyncio.Event()  # set while nothing is in flight (shutdown waits on it)
         self._idle.set()
         self._draining = False  # shutdown: nothing more is admitted
-        self._ttft, self._inter_token = series(TTFT, W), series(INTER_TOKEN, W)
+        self._ttft = series(TTFT, W)
+        self._ready: list[InFlight] = []  # requests with tokens received, not yet taken (in arrival order)
+        self._tuned = (False, 1.0)  # what the engine's token holder was last told (_tune)
         self._hold = HistogramBatch(series(CHUNK_HOLD, W))  # flushed once per publish step
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
 
@@ -169,40 +172,44 @@ class GenerateHandler(Handler):
     # --- chunks out -------------------------------------------------------------------
 
     def on_outputs(self, step: StepOutputs) -> asyncio.Task:
-        """Called on the event loop with one engine step's outputs; returns the publish
-        step it started (the engine's deliveries wait on those: workers/generate/service.py).
-        One loop over the step's new tokens (per token: the hot path), then its few other
-        outputs (ends, prompt logprobs)."""
+        """Called on the event loop with what the engine handed on from a step; returns the
+        publish step it started (the engine's deliveries wait on those: workers/generate/
+        service.py). The engine's side holds each request's tokens until its chunk is due
+        (workers/generate/token_holder.py), so every token that arrives here is published
+        at once: one loop over the step's single new tokens, then its other outputs (a
+        request's held tokens, ends, prompt logprobs)."""
         now = time.monotonic()
-        inflight = self.inflight
-        ttft = self._ttft.observe
-        earliest = now  # the oldest previous token among the step's requests: the longest gap
-        for request_id, token, entry, sampled_at_ns in step.new_tokens():
+        inflight, ready = self.inflight, self._ready
+        for request_id, token, entry in zip(step.request_ids, step.token_ids,
+                                            step.logprobs if step.logprobs is not None else repeat(None)):
             state = inflight.get(request_id)
             if state is None:
                 continue  # stopped on revoke/shutdown: its next owner re-runs it
-            last = state.last_token_at
-            if last is None:
-                ttft(now - state.received_at)
-            elif last < earliest:
-                earliest = last
-            state.last_token_at = now
             pending = state.pending_ids
             if not pending:
+                if state.seq == 0 and state.token_offset == 0:
+                    self._ttft.observe(now - state.received_at)
                 state.pending_since = now
+                ready.append(state)
             pending.append(token)
             if entry is not None:
                 state.pending_logprobs.append(entry)
-            state.sampled_at_ns = sampled_at_ns
-        if earliest < now:
-            # Once per step, not per token (a histogram observation costs ~1 µs, and at
-            # batch 256 every request of a step saw the same gap but for stragglers).
-            self._inter_token.observe(now - earliest)
+            state.sampled_at_ns = step.sampled_at_ns
         finals = []
         for out in step.others:
             state = inflight.get(out.request_id)
             if state is None:
                 continue
+            if out.token_ids:
+                if not state.pending_ids:
+                    if state.seq == 0 and state.token_offset == 0:
+                        self._ttft.observe(now - state.received_at)
+                    state.pending_since = out.held_since or now
+                    ready.append(state)
+                state.pending_ids.extend(out.token_ids)
+                if out.logprobs:
+                    state.pending_logprobs.extend(out.logprobs)
+                state.sampled_at_ns = out.sampled_at_ns
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
@@ -227,11 +234,12 @@ class GenerateHandler(Handler):
         return task
 
     async def _publish_step(self, finals: list[tuple[InFlight, Final]]) -> None:
-        """Publish the final chunks of requests that ended, and every request's chunk that
-        is due, as one producer batch per partition (many single sends cost several times
-        more). The only path by which chunks leave the worker."""
+        """Publish the final chunks of requests that ended, and the tokens every other
+        request received, as one producer batch per partition (many single sends cost
+        several times more). The only path by which chunks leave the worker."""
         async with self._publish_lock:
             policy = self._policy_now()
+            self._tune(policy)
             hold = self._hold.observe  # the oldest token's wait, per chunk taken
             now = time.monotonic()
             records, owners = [], []
@@ -244,10 +252,11 @@ class GenerateHandler(Handler):
                     series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
                 records.extend(taken)
                 owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
-            interval = policy.interval(len(self.inflight))
-            lagging = self.publisher.in_flight >= policy.lag_threshold
-            for state in policy.due(self.inflight.values(), now, lagging, interval):
-                state.last_chunk_at = now
+            ready, self._ready = self._ready, []
+            inflight = self.inflight
+            for state in ready:
+                if state.closed or not state.pending_ids or inflight.get(state.request.request_id) is not state:
+                    continue  # ended: above, or by a publish step that comes next, with its final chunk
                 hold(now - state.pending_since)
                 taken = self._take_records(state, None, policy.max_tokens)
                 records.extend(taken)  # the last one is final if the request just failed
@@ -258,6 +267,13 @@ class GenerateHandler(Handler):
         for future, state in zip(futures, owners):
             if state is not None:
                 release_when_acked(future, state.release)
+
+    def _tune(self, policy: ChunkPolicy) -> None:
+        """Tell the engine's token holder what only this side knows, when it changes."""
+        tuning = (self.publisher.in_flight >= policy.lag_threshold, self._stretch)
+        if tuning != self._tuned:
+            self._tuned = tuning
+            self.engine.tune(*tuning)
 
     def _policy_now(self) -> ChunkPolicy:
         """The chunk policy stretched for how far behind its engine the worker is now."""
