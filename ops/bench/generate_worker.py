@@ -5,16 +5,17 @@
 Everything the worker's process does for a token except the broker round trips and the
 engine itself: the engine's steps as its child sends them on the pipe (msgpack bytes of
 `Step`, made once per side, before the timed runs: the synthetic engine, every request
-in every step) are decoded as the worker's pipe reader does and handed to the real
-`GenerateHandler.on_outputs`, which turns them into chunk records (the chunk policy,
-`GenerateChunk` structs, msgpack encoding, record size check, headers, metrics) and
-publishes them through the real `Publisher.publish_batch` into aiokafka's own
-`BatchBuilder`s, which a stand-in producer acknowledges at once (no network, no sender
-task). The requests come first, through the real
-`handle` (decode, validation, admission, offsets; --prompt-tokens ids each, validated
-as the engine process's `add` would). Chunks hold exactly --chunk-tokens
-tokens (the publisher reports a lagging producer, so the policy coalesces to its token
-cap: independent of timing, so both sides publish the same chunks).
+in every step; in code with a token holder on the engine's side, what the holder hands
+on, made the same way) are decoded as the worker's pipe reader does and handed to the
+real `GenerateHandler.on_outputs`, which turns them into chunk records (in older code the
+chunk policy too; `GenerateChunk` structs, msgpack encoding, record size check, headers,
+metrics) and publishes them through the real `Publisher.publish_batch` into aiokafka's
+own `BatchBuilder`s, which a stand-in producer acknowledges at once (no network, no
+sender task). The requests come first, through the real `handle` (decode, validation,
+admission, offsets; --prompt-tokens ids each, validated as the engine process's `add`
+would). Chunks hold exactly --chunk-tokens tokens (the publisher reports a lagging
+producer, so the policy coalesces to its token cap: independent of timing, so both sides
+publish the same chunks).
 
 Sides, interleaving, the paired ratio and the byte check are ops/bench/paired.py's: every
 chunk record's topic, key, headers and value (its attempt id and sampled time blanked:
@@ -65,6 +66,9 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         pass
 
+    def tune(self, lagging: bool, stretch: float) -> None:  # (the holder ran when the steps were made)
+        pass
+
 
 class Producer:
     """What `Publisher` uses of an AIOKafkaProducer, with aiokafka's own batch builder: a
@@ -96,11 +100,21 @@ class Producer:
         return future
 
 
-def build(k: int, requests: int, tokens: int, prompt_tokens: int):
-    """The request records, and the engine's steps as pipe bytes."""
+def build(k: int, requests: int, tokens: int, prompt_tokens: int, chunk_tokens: int):
+    """The request records, and the engine's steps as pipe bytes: as the engine process
+    sends them, so in code with a token holder on the engine's side (workers/generate/
+    token_holder.py) what it hands on, with the side's chunk policy and a lagging producer."""
     from schemas import GenerateRequest, SamplingParams, encode, headers_for
     from workers.generate import engine_process
     from workers.generate.synthetic import SyntheticEngine
+
+    try:
+        from workers.generate.token_holder import TokenHolder
+    except ImportError:  # code from before the holder: the worker takes every token
+        holder = None
+    else:
+        holder = TokenHolder(fixed_chunk_policy(chunk_tokens))
+        holder.tune(lagging=True, stretch=1.0)
 
     prompt = [1] + [5 + (7 * j) % 1900 for j in range(prompt_tokens - 1)]
     reqs = [GenerateRequest(request_id=f"gen-{i}", prompt_token_ids=prompt,
@@ -113,7 +127,11 @@ def build(k: int, requests: int, tokens: int, prompt_tokens: int):
         engine.add(r)
     steps = []
     while engine.has_work():
-        steps.append(engine_process._encode(engine_process.Step(engine.step(), 0.0)))
+        step = engine.step()
+        if holder is not None:
+            step = holder.step(step, time.monotonic())
+        if step:
+            steps.append(engine_process._encode(engine_process.Step(step, 0.0)))
     return messages, steps, requests * tokens
 
 
@@ -168,7 +186,8 @@ def serve(args) -> None:
     for line in sys.stdin:
         workload = line.strip()
         if workload not in loaded:
-            loaded[workload] = build(int(workload.split("=")[1]), args.requests, args.tokens, args.prompt_tokens)
+            loaded[workload] = build(int(workload.split("=")[1]), args.requests, args.tokens, args.prompt_tokens,
+                                     args.chunk_tokens)
             gc.freeze()
             asyncio.run(run_side(*loaded[workload][:2], args.chunk_tokens))  # warm-up
         messages, steps, tokens = loaded[workload]

@@ -231,7 +231,7 @@ def make_requests(args, k: int, count: int) -> list:
 class _ChunkEnd(msgspec.Struct):
     """What the reader needs of a chunk record (a partial decode: the rest is skipped)."""
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int] = []  # (left out of a final chunk with no tokens)
     sampled_at_ns: int = 0
     finish_reason: str | None = None
     error: dict | None = None
