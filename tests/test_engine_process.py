@@ -202,6 +202,46 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
     outbox.close()
 
 
+def test_the_outbox_hands_on_what_its_holder_lets_through_and_held_tokens_once_due_without_a_step():
+    """With a token holder (the chunk policy), the outbox writes what it hands on: a
+    request's first token at once, the next ones held, and those leave by the delay cap
+    though no further step comes to carry them; nothing is lost or reordered."""
+    import multiprocessing
+    import time
+
+    from workers.generate.chunks import ChunkPolicy
+    from workers.generate.engine_process import RELEASE_TICK_S, Outbox, Step, _decode_from_child, read_frame
+    from workers.generate.outputs import StepCollector
+    from workers.generate.token_holder import TokenHolder
+
+    def step(tokens: list[int]) -> Step:
+        collector = StepCollector()
+        for n, token in enumerate(tokens):
+            collector.token(f"r{n}", token)
+        collector.sampled_at_ns = time.time_ns()
+        return Step(collector.done(), 0.002)
+
+    # one chunk a second per request, but no token held past 0.3 s
+    holder = TokenHolder(ChunkPolicy(max_records_per_s=2.0, max_delay_s=0.3, max_tokens=100))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=4, direct_max=8, holder=holder)
+    outbox.put(step([10, 20]))  # first tokens: at once
+    first = _decode_from_child(read_frame(reader))
+    assert first.outputs.token_ids == (10, 20) and first.outputs.batch == 2
+    for n in range(1, 4):
+        started = time.monotonic()
+        outbox.put(step([10 + n, 20 + n]))
+        held = _decode_from_child(read_frame(reader))  # a step that hands on nothing still says its size
+        assert not held.outputs and held.outputs.batch == 2
+    assert time.monotonic() - started < 0.2
+    assert not reader.poll(0.1)
+    assert reader.poll(0.3 + 10 * RELEASE_TICK_S), "held tokens waited past the delay cap"
+    released = _decode_from_child(read_frame(reader))
+    assert {out.request_id: out.token_ids for out in released.outputs.others} == {"r0": (11, 12, 13), "r1": (21, 22, 23)}
+    assert released.step_s == 0.0 and not holder.held["r0"].pending_ids
+    outbox.close()
+
+
 def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
     import multiprocessing
 

@@ -59,6 +59,7 @@ def test_a_large_batch_hands_on_each_request_about_every_interval_with_all_its_t
     assert 256 * 2 <= handed <= 256 * 5  # about one hand-on per 10 steps each, not 40
     held = sum(len(state.pending_ids) for state in holder.held.values())
     assert held + sum(map(len, received.values())) == 256 * 40
+    assert holder.holding == sum(1 for state in holder.held.values() if state.pending_ids)
 
 
 def test_held_tokens_keep_their_logprob_entries_and_the_time_they_were_first_held():
@@ -83,6 +84,7 @@ def test_an_end_leaves_at_once_after_the_tokens_held_before_it_and_the_request_i
     assert end.request_id == "a" and end.token_ids == (2, 3) and end.finish_reason == "stop"
     assert end.stop_token_id == 3 and end.held_since == 1.1
     assert "a" not in holder.held and holder.held["b"].pending_ids == [2, 3]
+    assert holder.holding == 1  # (what the engine process's outbox waits by)
     # an abort of a request with nothing held goes on as the engine made it
     abort = RequestOutput(request_id="z", token_ids=(), finish_reason="abort")
     assert holder.step(engine_step({}, 1.3, others=[abort]), 1.3).others == [abort]

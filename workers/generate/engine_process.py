@@ -34,6 +34,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 import msgspec
@@ -45,6 +46,7 @@ from workers.generate.chunks import ChunkPolicy
 from workers.generate.engine_thread import EngineThread, engine_limits
 from workers.generate.logprob_entries import encode_pending
 from workers.generate.outputs import StepOutputs
+from workers.generate.token_holder import TokenHolder
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +345,12 @@ def make_engine(options: dict[str, Any]):
     return Engine(**options)
 
 
+# How often the outbox looks for held tokens that fell due while no step came (their
+# lateness at most): steps faster than this carry them out themselves.
+RELEASE_TICK_S = 0.005
+_WAKE = object()  # (in the outbox's queue: tokens are held now, so wait with the tick)
+
+
 class Outbox:
     """The child's messages to the worker, sent by a thread of their own, so the engine
     steps on while a step's outputs are encoded and written: a pipe holds 64 KB, a
@@ -361,14 +369,24 @@ class Outbox:
     A big step still goes through the thread, as above. Order holds: a step goes direct
     only when every step queued before it is written (`_queued` counts those put and not
     yet written; only the engine thread puts). The outbox thread writes without holding
-    `_lock`, so a put never waits on a write the worker is slow to read: it queues."""
+    `_lock`, so a put never waits on a write the worker is slow to read: it queues.
 
-    def __init__(self, conn, depth: int = 4, direct_max: int = 8):
+    With a `holder` (workers/generate/token_holder.py), what a step hands on is what the
+    holder lets through, decided here rather than on the engine thread: in this thread
+    the holder's walk over a step's tokens overlaps the engine's next step. Held tokens
+    that fall due while no step comes leave within `RELEASE_TICK_S`."""
+
+    def __init__(self, conn, depth: int = 4, direct_max: int = 8, holder: TokenHolder | None = None):
         self._conn = conn
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._direct_max = direct_max
         self._lock = threading.Lock()  # guards _queued (and a direct write: none runs beside the thread's)
         self._queued = 0
+        self.holder = holder
+        # The holder's state, and what it hands on from there to the pipe: one step's
+        # hand-on is written before another's is made, so a request's tokens stay in order.
+        self._holding = threading.Lock()
+        self._idle = False  # the thread waits for a message with no timeout: nothing was held (under _holding)
         self._gone = False  # a write failed: the worker is gone
         self._thread = threading.Thread(target=self._run, name="genpipe-engine-outbox", daemon=True)
         self._thread.start()
@@ -378,7 +396,7 @@ class Outbox:
             if self._gone:
                 return  # nothing to send to
             if self._queued == 0 and isinstance(message, Step) and len(message.outputs) <= self._direct_max:
-                self._write(_encode(message))
+                self._send(message)
                 return
             self._queued += 1
         while self._thread.is_alive():  # (gone once the worker is: nothing to send to)
@@ -405,9 +423,41 @@ class Outbox:
         except (OSError, ValueError):
             self._gone = True  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
 
-    def _run(self) -> None:
-        while (message := self._queue.get()) is not None:
+    def _send(self, message: Step | Failed) -> None:
+        """Write a message; a step through the holder first (what it hands on, if anything)."""
+        if self.holder is None or not isinstance(message, Step):
             self._write(_encode(message))
+            return
+        with self._holding:
+            outputs = self.holder.step(message.outputs, time.monotonic())
+            if outputs or outputs.batch:  # (a step that hands on nothing still carries its metrics)
+                self._write(_encode(Step(outputs, message.step_s)))
+            if self._idle and self.holder.holding:  # (a direct step: the thread is to release them)
+                self._idle = False
+                self._queue.put_nowait(_WAKE)  # (room: a direct step means nothing is queued)
+
+    def _release(self) -> None:
+        """Held tokens that fell due with no step to carry them (steps slower than a tick)."""
+        with self._holding:
+            due = self.holder.release(time.monotonic())
+            if due is not None:
+                self._write(_encode(Step(due, 0.0)))
+
+    def _run(self) -> None:
+        while True:
+            if self.holder is not None:
+                with self._holding:
+                    self._idle = not self.holder.holding
+            try:
+                message = self._queue.get(timeout=None if self._idle or self.holder is None else RELEASE_TICK_S)
+            except queue.Empty:
+                self._release()
+                continue
+            if message is None:
+                return
+            if message is _WAKE:
+                continue
+            self._send(message)
             with self._lock:
                 self._queued -= 1
             if self._gone:
@@ -439,15 +489,15 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
     # throughput run (BENCHMARKS.md, "The collector's young threshold").
     tune_after_startup()
     write_frame(steps, _encode(Ready(engine_limits(engine))))
-    outbox = Outbox(steps)
+    outbox = Outbox(steps, holder=TokenHolder(policy) if policy is not None else None)
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
             outbox.put(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
-        elif outputs or outputs.batch:  # (a step that hands on nothing still carries its metrics)
+        elif outputs:
             outbox.put(Step(outputs, step_s))
 
-    thread = EngineThread(engine, deliver, min_step_s=min_step_s, policy=policy)
+    thread = EngineThread(engine, deliver, min_step_s=min_step_s)  # (tokens are held in the outbox)
     thread.start()
     try:
         while thread.failure is None:
@@ -460,7 +510,8 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
             elif isinstance(message, Abort):
                 thread.abort(message.request_id, message.reason)
             elif isinstance(message, Tune):
-                thread.tune(message.lagging, message.stretch)
+                if outbox.holder is not None:
+                    outbox.holder.tune(message.lagging, message.stretch)
             else:
                 break
     except (EOFError, OSError):

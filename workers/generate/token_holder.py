@@ -4,12 +4,12 @@
 The chunk policy (workers/generate/chunks.py `ChunkPolicy`) decides when a request's
 pending tokens leave as a chunk. It used to be applied in the worker's process, which
 then received every token of every step through the engine pipe and walked them one by
-one: at batch 256 that walk and the pipe decode were ~0.8 µs of the worker's ~3.3 µs
-per token, on the one core that also runs the Kafka loop. Applied here, on the engine
-thread, a step's tokens are added to per-request lists and only the requests whose chunk
-is due cross the pipe, each as one `RequestOutput` with all its held tokens: at batch 256
-the worker handles one output per ~9 tokens (BENCHMARKS.md, "Tokens held on the engine's
-side").
+one, on the one core that also runs the Kafka loop. Applied here, on the engine's side
+of the pipe (the engine process's outbox thread, workers/generate/engine_process.py
+`Outbox`, or an engine thread in the worker's process: engine_thread.py), a step's tokens
+are added to per-request lists and only the requests whose chunk is due cross over, each
+as one `RequestOutput` with all its held tokens: at batch 256 the worker handles one
+output per ~9 tokens (BENCHMARKS.md, "Tokens held on the engine's side").
 
 What the worker still knows and this side does not (whether its producer lags, how far
 behind its engine it is) comes back as `tune(lagging, stretch)`. The worker publishes
@@ -18,7 +18,7 @@ policy's `max_tokens`.
 
 A request's first token is due at once (time to first token) unless the producer lags,
 as the policy says; every output that is more than one new token (an end, prompt
-logprobs) leaves at once with the tokens held before it. Everything here runs on the engine thread, but `tune` (any thread).
+logprobs) leaves at once with the tokens held before it. The holder is used by one thread at a time; `tune` may come from any.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class TokenHolder:
         self._stretched: dict[float, ChunkPolicy] = {1.0: policy}
         self._tuning = (False, policy)  # (lagging, the policy stretched): one tuple, swapped whole by tune()
         self.held: dict[str, Held] = {}  # by request id: every request that produced a token and has not ended
+        self.holding = 0  # how many of them hold tokens now
 
     def tune(self, lagging: bool, stretch: float) -> None:
         """What the worker says of itself: its producer lags; how far to stretch chunks."""
@@ -67,7 +68,7 @@ class TokenHolder:
         due, each with all its held tokens, and every other output of the step with the
         tokens held before it. `batch` is the engine step's size, `gap_s` the longest time
         between a request's previous token and this step's (for the worker's metrics)."""
-        held, earliest, sampled_at = self.held, now, outputs.sampled_at_ns
+        held, earliest, sampled_at, holding = self.held, now, outputs.sampled_at_ns, self.holding
         entries = outputs.logprobs if outputs.logprobs is not None else repeat(None)
         for request_id, token, entry in zip(outputs.request_ids, outputs.token_ids, entries):
             state = held.get(request_id)
@@ -79,10 +80,12 @@ class TokenHolder:
             pending = state.pending_ids
             if not pending:
                 state.pending_since = now
+                holding += 1
             pending.append(token)
             if entry is not None:
                 state.pending_logprobs.append(entry)
             state.sampled_at_ns = sampled_at
+        self.holding = holding
         leaving = StepCollector()
         leaving.sampled_at_ns = sampled_at
         for out in outputs.others:
@@ -122,6 +125,7 @@ class TokenHolder:
                                              sampled_at_ns=state.sampled_at_ns, held_since=state.pending_since))
             state.pending_ids, state.pending_logprobs = [], []
             state.last_chunk_at = now
+            self.holding -= 1
 
     def _with_held(self, out: RequestOutput, now: float) -> RequestOutput:
         """An output that leaves at once, after the tokens held for its request; an ended
@@ -141,4 +145,5 @@ class TokenHolder:
         merged = msgspec.structs.replace(out, token_ids=tuple(ids), logprobs=tuple(entries) if entries else None,
                                          held_since=state.pending_since)
         state.pending_ids, state.pending_logprobs = [], []
+        self.holding -= 1
         return merged
