@@ -140,7 +140,7 @@ class EngineProcess:
                  policy: ChunkPolicy | None = None):
         self.engine_options = engine_options  # Engine(**engine_options) in the child
         self.min_step_s = min_step_s
-        self.policy = policy  # the chunk policy the child's engine thread holds tokens by (None: it holds none)
+        self.policy = policy  # the chunk policy the child's outbox holds tokens by (None: it holds none)
         self.threads = threads
         self.start_timeout_s = start_timeout_s
         self.max_steps_waiting = max_steps_waiting

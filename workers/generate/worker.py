@@ -273,7 +273,10 @@ class GenerateHandler(Handler):
         tuning = (self.publisher.in_flight >= policy.lag_threshold, self._stretch)
         if tuning != self._tuned:
             self._tuned = tuning
-            self.engine.tune(*tuning)
+            try:
+                self.engine.tune(*tuning)
+            except RuntimeError:  # the engine process is gone: `tick` reports its failure
+                pass
 
     def _policy_now(self) -> ChunkPolicy:
         """The chunk policy stretched for how far behind its engine the worker is now."""
