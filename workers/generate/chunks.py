@@ -109,7 +109,7 @@ class ChunkPolicy:
                 continue
             if (len(pending) < max_tokens and state.pending_since + max_delay_s > now
                     and (lagging or state.last_chunk_at + interval_s > now)):
-                continue  # held: it leaves at a later step or loop turn
+                continue  # held: it leaves at a later step (or the holder's tick)
             due.append(state)
         return due
 

@@ -1,5 +1,5 @@
 """Holding each running request's new tokens on the engine's side until its chunk is due
-(docs/design.md §4, "Coalescing").
+(docs/design.md §4, "Kafka behaviour").
 
 The chunk policy (workers/generate/chunks.py `ChunkPolicy`) decides when a request's
 pending tokens leave as a chunk. It used to be applied in the worker's process, which
@@ -11,14 +11,15 @@ are added to per-request lists and only the requests whose chunk is due cross ov
 as one `RequestOutput` with all its held tokens: at batch 256 the worker handles one
 output per ~9 tokens (BENCHMARKS.md, "Tokens held on the engine's side").
 
-What the worker still knows and this side does not (whether its producer lags, how far
-behind its engine it is) comes back as `tune(lagging, stretch)`. The worker publishes
+What only the worker knows (whether its producer lags, how far behind its engine it is)
+comes back as `tune(lagging, stretch)`. The worker publishes
 every token it receives at once; its chunk builder still cuts a chunk at the stretched
 policy's `max_tokens`.
 
 A request's first token is due at once (time to first token) unless the producer lags,
 as the policy says; every output that is more than one new token (an end, prompt
-logprobs) leaves at once with the tokens held before it. The holder is used by one thread at a time; `tune` may come from any.
+logprobs) leaves at once with the tokens held before it. The holder is used by one
+thread at a time; `tune` may come from any.
 """
 
 from __future__ import annotations
