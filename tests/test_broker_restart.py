@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow,
 # Neither the session broker (19092) nor the life-cycle test's (29092).
 RESTART_PORT = 29192
 DOWN_PORT = 29292  # the gateway's broker that goes away
+GONE_PORT = 29392  # the broker that is gone when the workers are told to stop
 PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "東京の天気は", "Hello! 👋 How are",
            "Die Straße war", "¿Dónde está", "The little fox said"]
 
@@ -128,3 +129,44 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
             await asyncio.to_thread(local.broker_up, port=DOWN_PORT, data_dir=data_dir, timeout=120, quiet=True)
     finally:
         await asyncio.to_thread(local.broker_down, port=DOWN_PORT, data_dir=data_dir)
+
+
+async def test_workers_told_to_stop_while_the_broker_is_gone_stop_without_their_last_commit(
+        make_topics, tiny_model_dir, tmp_path):
+    """A worker with work done but not yet committed, its broker gone, gets SIGTERM: it
+    stops (exit 0) after a bounded wait for its last commit and says why, instead of
+    retrying the commit for as long as the broker is away (before: both workers still up
+    150 s after SIGTERM, until a supervisor killed them). Nothing is lost: the partitions'
+    next owner re-reads from the last commit."""
+    from workers.broker import local
+
+    if local.answers(GONE_PORT):
+        pytest.skip(f"something already answers on port {GONE_PORT}")
+    data_dir = tmp_path / "broker"
+    info = await asyncio.to_thread(local.broker_up, port=GONE_PORT, data_dir=data_dir, timeout=120, quiet=True)
+    settings = dataclasses.replace(KafkaSettings(), bootstrap_servers=info.bootstrap_servers, topic_prefix="gone")
+    workers = WorkerProcesses(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    request = make_request(tokenizer.encode("Once upon a time"), kind="completion", request_id="gone-1",
+                           max_tokens=8, temperature=0, ignore_eos=True, stream=True)
+    try:
+        await make_topics(settings, partitions=1)
+        # No periodic commit during the test: what the workers did is uncommitted when the broker goes.
+        common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
+                  "--commit-interval-ms", "600000"]
+        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), *common)
+        workers.start("derender", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+        await asyncio.to_thread(workers.wait_ready)
+        async with GenpipeClient(settings=settings, timeout_s=120) as client:
+            text, _ = await last_attempt_text(client, request)
+        assert text
+        os.kill(info.pid, signal.SIGKILL)
+        assert await asyncio.to_thread(local._wait_gone, info.pid, 30)
+        (data_dir / "broker.pid").unlink()
+        codes = await asyncio.to_thread(workers.stop_all, 45)  # the bound is 10 s; a hang is killed at 45
+    finally:
+        workers.stop_all()
+        await asyncio.to_thread(local.broker_down, port=GONE_PORT, data_dir=data_dir)
+    assert codes == {"generate": 0, "derender": 0}, codes
+    for name in ("generate", "derender"):
+        assert "final commit not done within 10 s" in workers.log(name), workers.log(name)[-2000:]

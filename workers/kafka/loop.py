@@ -80,8 +80,9 @@ class ConsumerLoop:
                  offsets: PartitionOffsets, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
                  group_instance_id: str | None = None, consumer_overrides: dict | None = None,
-                 worker: str = "worker", assignor: str = "sticky"):
+                 worker: str = "worker", assignor: str = "sticky", final_commit_timeout_s: float = 10.0):
         self.settings = settings
+        self.final_commit_timeout_s = final_commit_timeout_s  # shutdown: how long the last commit may take
         self.worker = worker  # metrics label
         self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.group_id = group_id
@@ -140,6 +141,22 @@ class ConsumerLoop:
             return
         for tp, om in offsets.items():
             self._committed[tp] = (om.offset, om.metadata)
+
+    async def _final_commit(self) -> None:
+        """The shutdown commit, bounded: aiokafka retries a commit until the group
+        coordinator answers, so with the broker gone a worker told to stop never did
+        (measured: both workers still up 150 s after SIGTERM). Past the bound it stops
+        without it; the partitions' next owner re-reads from the last commit, which
+        loses nothing (docs/design.md §6)."""
+        try:
+            await asyncio.wait_for(self._commit_all(), self.final_commit_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("final commit not done within %.0f s (is the broker reachable?): stopping without it; "
+                        "the partitions' next owner re-reads from the last commit", self.final_commit_timeout_s)
+
+    async def _commit_all(self) -> None:
+        await self._commit_settled()
+        await self.commit()
 
     def _commit_soon(self) -> None:
         task = self._commit_task
@@ -272,8 +289,7 @@ class ConsumerLoop:
             # Shutdown: take nothing new, let in-flight work finish, commit what finished.
             self.consumer.pause(*self.consumer.assignment())
             await self.handler.drain(time.monotonic() + grace_s)
-            await self._commit_settled()
-            await self.commit()
+            await self._final_commit()
         finally:
             if self._commit_task is not None and not self._commit_task.done():
                 self._commit_task.cancel()  # the loop failed: its partitions' next owner re-reads
