@@ -13,8 +13,9 @@ benchmarks and demos measure the Kafka side at a realistic token rate.
 Given the worker's chunk `policy` (an engine in the worker's own process: the engine
 process holds tokens in its outbox thread instead), the thread holds each request's
 tokens until its chunk is due (token_holder.py) and hands on only those: after each
-step, and in the pause between paced steps as they fall due. A token is held at most the policy's
-`max_delay_s`, or to the end of the step under way if that is longer (a long prefill).
+step, and in the pause between paced steps as they fall due. A token is held at most the
+policy's `max_delay_s`, or to the end of the step under way if that is longer (a long
+prefill).
 Without a policy every token is handed on at its step.
 """
 

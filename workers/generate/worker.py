@@ -179,7 +179,7 @@ class GenerateHandler(Handler):
         at once: one loop over the step's single new tokens, then its other outputs (a
         request's held tokens, ends, prompt logprobs)."""
         now = time.monotonic()
-        inflight, ready = self.inflight, self._ready
+        inflight = self.inflight
         for request_id, token, entry in zip(step.request_ids, step.token_ids,
                                             step.logprobs if step.logprobs is not None else repeat(None)):
             state = inflight.get(request_id)
@@ -187,10 +187,7 @@ class GenerateHandler(Handler):
                 continue  # stopped on revoke/shutdown: its next owner re-runs it
             pending = state.pending_ids
             if not pending:
-                if state.seq == 0 and state.token_offset == 0:
-                    self._ttft.observe(now - state.received_at)
-                state.pending_since = now
-                ready.append(state)
+                self._first_pending(state, now, now)
             pending.append(token)
             if entry is not None:
                 state.pending_logprobs.append(entry)
@@ -202,10 +199,7 @@ class GenerateHandler(Handler):
                 continue
             if out.token_ids:
                 if not state.pending_ids:
-                    if state.seq == 0 and state.token_offset == 0:
-                        self._ttft.observe(now - state.received_at)
-                    state.pending_since = out.held_since or now
-                    ready.append(state)
+                    self._first_pending(state, now, out.held_since or now)
                 state.pending_ids.extend(out.token_ids)
                 if out.logprobs:
                     state.pending_logprobs.extend(out.logprobs)
@@ -225,6 +219,14 @@ class GenerateHandler(Handler):
         if step:
             self.pressure.step(len(self._publishing))
         return self._publish_soon(ended)
+
+    def _first_pending(self, state: InFlight, now: float, since: float) -> None:
+        """Tokens arrived for a request that had none pending: it is ready to publish (its
+        oldest token waiting since `since`), and its very first ones give time to first token."""
+        if state.seq == 0 and state.token_offset == 0:
+            self._ttft.observe(now - state.received_at)
+        state.pending_since = since
+        self._ready.append(state)
 
     def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> asyncio.Task:
         """_publish_step from code that cannot await (engine outputs, cancels)."""
