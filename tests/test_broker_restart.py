@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -33,12 +34,17 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow,
 RESTART_PORT = 29192
 DOWN_PORT = 29292  # the gateway's broker that goes away
 GONE_PORT = 29392  # the broker that is gone when the workers are told to stop
+AWAY_S = 40  # longer than the producer's request timeout (workers/kafka/clients.py: 30 s)
 PROMPTS = ["Once upon a time", "The weather today is", "Le café est", "東京の天気は", "Hello! 👋 How are",
            "Die Straße war", "¿Dónde está", "The little fox said"]
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.parametrize("how", ["sigterm", "sigkill", "away"])
 async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny_model_dir, tmp_path):
+    """"away": the broker is gone for longer than the producer's request timeout (30 s),
+    past which aiokafka refuses more records for a partition whose queue is still full
+    (while it retries what is queued); before, those records were dropped: a request's
+    chunks got a hole and the derender failed it (seq gap)."""
     from workers.broker import local
 
     if local.answers(RESTART_PORT):
@@ -70,10 +76,12 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
             chunks = await read_to_end(settings, settings.topic("chunks"))
             finals = sum(decode_message(r, GenerateChunk).finish_reason is not None for r in chunks)
             assert finals < len(requests), "the generate worker is still streaming when the broker goes"
-            if how == "sigkill":
+            if how in ("sigkill", "away"):
                 os.kill(info.pid, signal.SIGKILL)
                 assert await asyncio.to_thread(local._wait_gone, info.pid, 30)
                 (data_dir / "broker.pid").unlink()
+                if how == "away":  # the outage itself is what is tested: its length is the point
+                    await asyncio.sleep(AWAY_S)
             else:
                 await asyncio.to_thread(local.broker_down, port=RESTART_PORT, data_dir=data_dir)
             assert not local.answers(RESTART_PORT, timeout=1), "the broker is down"
@@ -133,11 +141,13 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
 
 async def test_workers_told_to_stop_while_the_broker_is_gone_stop_without_their_last_commit(
         make_topics, tiny_model_dir, tmp_path):
-    """A worker with work done but not yet committed, its broker gone, gets SIGTERM: it
-    stops (exit 0) after a bounded wait for its last commit and says why, instead of
-    retrying the commit for as long as the broker is away (before: both workers still up
-    150 s after SIGTERM, until a supervisor killed them). Nothing is lost: the partitions'
-    next owner re-reads from the last commit."""
+    """Workers with work done but not yet committed, and records not yet acknowledged (a
+    request still streaming), their broker gone, get SIGTERM: they stop (exit 0) after
+    bounded waits for the records and the last commit, and say why, instead of waiting
+    for as long as the broker is away (before: both workers still up 150 s after SIGTERM
+    with the work committed only, and the generate worker for good with records in
+    flight, until a supervisor killed them). Nothing is lost: the partitions' next owner
+    re-reads from the last commit."""
     from workers.broker import local
 
     if local.answers(GONE_PORT):
@@ -147,26 +157,52 @@ async def test_workers_told_to_stop_while_the_broker_is_gone_stop_without_their_
     settings = dataclasses.replace(KafkaSettings(), bootstrap_servers=info.bootstrap_servers, topic_prefix="gone")
     workers = WorkerProcesses(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    request = make_request(tokenizer.encode("Once upon a time"), kind="completion", request_id="gone-1",
-                           max_tokens=8, temperature=0, ignore_eos=True, stream=True)
+    done = make_request(tokenizer.encode("Once upon a time"), kind="completion", request_id="gone-done",
+                        max_tokens=8, temperature=0, ignore_eos=True, stream=True)
+    # ~60 s of tokens at 20 ms a step: still streaming when the broker goes.
+    streaming = [make_request(tokenizer.encode(prompt), kind="completion", request_id=f"gone-{i}",
+                              max_tokens=3000, temperature=0, ignore_eos=True, stream=True)
+                 for i, prompt in enumerate(PROMPTS[:4])]
     try:
         await make_topics(settings, partitions=1)
         # No periodic commit during the test: what the workers did is uncommitted when the broker goes.
         common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix,
                   "--commit-interval-ms", "600000"]
-        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), *common)
+        workers.start("generate", "generate-worker", "--model", str(tiny_model_dir), "--min-step-ms", "20",
+                      "--grace-period", "2", *common)
         workers.start("derender", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
         await asyncio.to_thread(workers.wait_ready)
-        async with GenpipeClient(settings=settings, timeout_s=120) as client:
-            text, _ = await last_attempt_text(client, request)
-        assert text
+        async with GenpipeClient(settings=settings, timeout_s=120, cancel_on_abandon=False) as client:
+            text, _ = await last_attempt_text(client, done)
+            assert text
+            for request in streaming:  # each has sent results: its chunks are flowing
+                stream = client.records(request)
+                await stream.__anext__()
+                await stream.aclose()
         os.kill(info.pid, signal.SIGKILL)
         assert await asyncio.to_thread(local._wait_gone, info.pid, 30)
         (data_dir / "broker.pid").unlink()
-        codes = await asyncio.to_thread(workers.stop_all, 45)  # the bound is 10 s; a hang is killed at 45
+        # Told to stop once the generate worker waits for room in its producer's queue (it
+        # says so after the producer's request timeout, 30 s): its loop is stuck in a publish.
+        await asyncio.to_thread(wait_for_log, workers, "generate", "no room in the producer's queue", 90)
+        # The bounds: 10 s for the stuck turn, 2 s of grace, 10 s for the records, 10 s for
+        # the commit, 1 s for the producer; a hang is killed at 60.
+        codes = await asyncio.to_thread(workers.stop_all, 60)
     finally:
         workers.stop_all()
         await asyncio.to_thread(local.broker_down, port=GONE_PORT, data_dir=data_dir)
-    assert codes == {"generate": 0, "derender": 0}, codes
+    assert codes == {"generate": 0, "derender": 0}, {name: (code, workers.log(name)[-2000:])
+                                                     for name, code in codes.items()}
     for name in ("generate", "derender"):
         assert "final commit not done within 10 s" in workers.log(name), workers.log(name)[-2000:]
+    generate = workers.log("generate")
+    assert "the loop's last turn not done within 10 s of the stop (is the broker reachable?)" in generate
+    assert "records not acknowledged within 10 s (is the broker reachable?)" in generate
+    assert "grace period over: 4 requests left for the next owner" in generate
+
+
+def wait_for_log(workers: WorkerProcesses, name: str, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in workers.log(name):
+        assert time.monotonic() < deadline, f"{name} never logged {text!r}:\n{workers.log(name)[-2000:]}"
+        time.sleep(0.2)  # polling a log file: the condition is checked, not assumed

@@ -37,7 +37,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
     add_max_logprobs(parser)
     parser.add_argument("--grace-period", type=at_least(0.0, float), default=None,
-                        help="seconds to finish in-flight work after SIGTERM")
+                        help="seconds to finish in-flight work after SIGTERM (default 30 for the generate "
+                             "worker, 10 for the derender). With the broker gone, the flush and the last "
+                             "commit after it wait at most 10 s each; what is not committed then is "
+                             "redone by the partitions' next owner")
     parser.add_argument("--commit-interval-ms", type=at_least(1.0, float), default=500.0,
                         help="how often finished work is committed (default %(default)s ms)")
     parser.add_argument("--max-record-bytes", type=at_least(1024),

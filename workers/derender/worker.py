@@ -316,5 +316,4 @@ class DerenderHandler(Handler):
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
 
     async def drain(self, deadline: float) -> None:
-        await self._publish_pending()
-        await self.publisher.flush()
+        await self.publisher.flush_at_shutdown([asyncio.ensure_future(self._publish_pending())])

@@ -232,8 +232,14 @@ class GenerateHandler(Handler):
         """_publish_step from code that cannot await (engine outputs, cancels)."""
         task = asyncio.ensure_future(self._publish_step(finals))
         self._publishing.add(task)
-        task.add_done_callback(self._publishing.discard)
+        task.add_done_callback(self._published)
         return task
+
+    def _published(self, task: asyncio.Task) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # (shutdown with the broker away)
+            log.error("publish step failed: %r; its requests are not committed, the partitions' next owner "
+                      "redoes them", task.exception())
 
     async def _publish_step(self, finals: list[tuple[InFlight, Final]]) -> None:
         """Publish the final chunks of requests that ended, and the tokens every other
@@ -355,7 +361,7 @@ class GenerateHandler(Handler):
         the producer be acknowledged (releasing their offsets), so that a partition that
         moves is not re-run past work that had in fact finished. Running requests go on:
         `on_lost` stops those whose partitions do not come back."""
-        await asyncio.gather(*self._publishing)
+        await asyncio.gather(*self._publishing, return_exceptions=True)  # (a failure is logged: _published)
         await self.publisher.flush()
 
     async def on_assigned(self, partitions, committed) -> None:
@@ -408,11 +414,10 @@ class GenerateHandler(Handler):
             await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             pass
-        await asyncio.gather(*self._publishing)  # finals handed to the producer
+        await self.publisher.flush_at_shutdown(self._publishing)  # the finals handed over and acknowledged
         if self.inflight:
             log.warning("grace period over: %d requests left for the next owner", len(self.inflight))
             await self.on_lost({state.tp for state in self.inflight.values()})
-        await self.publisher.flush()
 
 
 def _expired(request: GenerateRequest, now_ms: float | None = None) -> bool:

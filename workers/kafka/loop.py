@@ -80,9 +80,11 @@ class ConsumerLoop:
                  offsets: PartitionOffsets, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
                  group_instance_id: str | None = None, consumer_overrides: dict | None = None,
-                 worker: str = "worker", assignor: str = "sticky", final_commit_timeout_s: float = 10.0):
+                 worker: str = "worker", assignor: str = "sticky", shutdown_wait_s: float = 10.0):
         self.settings = settings
-        self.final_commit_timeout_s = final_commit_timeout_s  # shutdown: how long the last commit may take
+        # Shutdown: how long the loop's last turn, and then the last commit, may take each
+        # (both wait on the broker: _stop_turn, _final_commit).
+        self.shutdown_wait_s = shutdown_wait_s
         self.worker = worker  # metrics label
         self.topics = [topics] if isinstance(topics, str) else list(topics)
         self.group_id = group_id
@@ -149,10 +151,10 @@ class ConsumerLoop:
         without it; the partitions' next owner re-reads from the last commit, which
         loses nothing (docs/design.md §6)."""
         try:
-            await asyncio.wait_for(self._commit_all(), self.final_commit_timeout_s)
+            await asyncio.wait_for(self._commit_all(), self.shutdown_wait_s)
         except asyncio.TimeoutError:
             log.warning("final commit not done within %.0f s (is the broker reachable?): stopping without it; "
-                        "the partitions' next owner re-reads from the last commit", self.final_commit_timeout_s)
+                        "the partitions' next owner re-reads from the last commit", self.shutdown_wait_s)
 
     async def _commit_all(self) -> None:
         await self._commit_settled()
@@ -268,24 +270,8 @@ class ConsumerLoop:
         if self.assignor is not None:
             self.assignor.coordinator = getattr(self.consumer, "_coordinator", None)
         self.consumer.subscribe(self.topics, listener=self._listener())
-        last_commit = time.monotonic()
         try:
-            while not stop.is_set():
-                batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=self.max_records)
-                for tp, messages in batch.items():
-                    if tp not in self._ready:
-                        self.consumer.seek(tp, messages[0].offset)
-                        continue
-                    tracker = self.offsets.tracker(tp)
-                    for message in messages:
-                        tracker.seen(message.offset)
-                        await self.handler.handle(message)
-                await self.handler.tick()
-                update_lag(self.consumer, self.offsets, self.worker)
-                self._apply_backpressure()
-                if time.monotonic() - last_commit >= self.commit_interval_s:
-                    self._commit_soon()
-                    last_commit = time.monotonic()
+            await self._stop_turn(asyncio.ensure_future(self._consume(stop)), stop)
             # Shutdown: take nothing new, let in-flight work finish, commit what finished.
             self.consumer.pause(*self.consumer.assignment())
             await self.handler.drain(time.monotonic() + grace_s)
@@ -294,6 +280,54 @@ class ConsumerLoop:
             if self._commit_task is not None and not self._commit_task.done():
                 self._commit_task.cancel()  # the loop failed: its partitions' next owner re-reads
             await self.consumer.stop()
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        last_commit = time.monotonic()
+        while not stop.is_set():
+            batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=self.max_records)
+            for tp, messages in batch.items():
+                if tp not in self._ready:
+                    self.consumer.seek(tp, messages[0].offset)
+                    continue
+                tracker = self.offsets.tracker(tp)
+                for message in messages:
+                    tracker.seen(message.offset)
+                    try:
+                        await self.handler.handle(message)
+                    except asyncio.CancelledError:
+                        tracker.hold(message.offset)  # cut short (_stop_turn): never committed past
+                        raise
+            await self.handler.tick()
+            update_lag(self.consumer, self.offsets, self.worker)
+            self._apply_backpressure()
+            if time.monotonic() - last_commit >= self.commit_interval_s:
+                self._commit_soon()
+                last_commit = time.monotonic()
+
+    async def _stop_turn(self, consuming: asyncio.Task, stop: asyncio.Event) -> None:
+        """Wait for the loop (`consuming`) to end, as it does at the first turn after `stop`
+        is set, or to fail (raised here). A turn that waits on a broker that is away (the
+        producer has no room for a chunk: the worker waits, rather than drop it) would
+        never end: past `shutdown_wait_s` after `stop` it is cut short. What it was doing
+        is not committed: a record it was handling stays held; the partitions' next owner
+        redoes it."""
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([consuming, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not consuming.done():
+                await asyncio.wait([consuming], timeout=self.shutdown_wait_s)
+            if not consuming.done():
+                log.warning("the loop's last turn not done within %.0f s of the stop (is the broker reachable?): "
+                            "cutting it short; what it was doing is redone by the partitions' next owner",
+                            self.shutdown_wait_s)
+                consuming.cancel()
+                await asyncio.wait([consuming])
+                return
+            consuming.result()  # (a failure stops the worker, as before)
+        finally:
+            stopping.cancel()
+            if not consuming.done():  # (run itself cancelled)
+                consuming.cancel()
 
 
 def current_generation(consumer) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from workers.kafka.records import Outgoing, dlq_headers
 from workers.kafka.settings import MAX_RECORD_BYTES
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 METADATA_WAIT_S = 5.0
 UNKNOWN_TOPIC_RECHECK_S = 10.0
 _UNKNOWN_TOPICS_KEPT = 10_000
+
+# Shutdown: how long a worker waits for the broker to take and acknowledge the records it
+# handed over. With the broker away, aiokafka waits for it as long as it is away, and a
+# worker told to stop never stopped (docs/design.md §7). Past this it stops without them;
+# their work was not committed, so the partitions' next owner redoes it.
+SHUTDOWN_WAIT_S = 10.0
 
 
 class TopicUnavailable(Exception):
@@ -55,6 +62,7 @@ class Publisher:
         self.failed = 0
         self._partitions: dict[str, int] = {}
         self._unknown: dict[str, float] = {}  # topic -> when to look again
+        self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -100,9 +108,9 @@ class Publisher:
         partition = record.partition
         if partition is not None and partition >= count:
             partition = None  # a reply topic with fewer partitions: fall back to key hashing
-        future = await self.producer.send(
+        future = await self._enqueue(record.topic, partition, lambda: self.producer.send(
             record.topic, record.kafka_value(), key=record.key.encode(),
-            headers=record.kafka_headers(), partition=partition)
+            headers=record.kafka_headers(), partition=partition))
         self._track(future)
         return future
 
@@ -144,7 +152,7 @@ class Publisher:
         if not members:
             return
         batch.close()
-        future = await self.producer.send_batch(batch, topic, partition=partition)
+        future = await self._enqueue(topic, partition, lambda: self.producer.send_batch(batch, topic, partition=partition))
         self.in_flight += len(members) - 1  # _track counts one
         self._track(future, len(members))
         for i in members:
@@ -153,10 +161,34 @@ class Publisher:
     async def to_dlq(self, message, error: str) -> asyncio.Future:
         """Copy a refused record to the DLQ: original key and bytes, source coordinates, error."""
         log.warning("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
-        future = await self.producer.send(
-            self.dlq_topic, message.value, key=message.key, headers=dlq_headers(message, error))
+        future = await self._enqueue(self.dlq_topic, None, lambda: self.producer.send(
+            self.dlq_topic, message.value, key=message.key, headers=dlq_headers(message, error)))
         self._track(future)
         return future
+
+    async def _enqueue(self, topic: str, partition: int | None,
+                       send: Callable[[], Awaitable[asyncio.Future]]) -> asyncio.Future:
+        """`send()` (a record or a batch to the producer), waiting as long as the broker is away.
+
+        With the broker away aiokafka retries what it holds until the broker answers, but
+        a send that finds a partition's queue still full after its request timeout (30 s:
+        clients.py) raises KafkaTimeoutError. Those records were lost: a request's chunks
+        had a hole, and the derender failed the request ("seq gap"), or a result never
+        reached its client (tested: tests/test_broker_restart.py, the broker away 40 s).
+        So the send is tried again (nothing was queued: it raised before), and what waits
+        behind it waits too, in order; the engine is held meanwhile, as for any slow
+        publish. Shutdown does not wait for it for long (flush_at_shutdown, and the consumer
+        loop's last turn: workers/kafka/loop.py): the work it carries is not committed."""
+        started = time.monotonic()
+        while True:
+            try:
+                return await send()
+            except KafkaTimeoutError:
+                if topic not in self.producer.client.cluster.topics():
+                    raise  # no metadata for the topic at all: not a full queue
+                log.warning("%s[%s]: no room in the producer's queue for %.0f s (is the broker reachable?); "
+                            "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
+                            time.monotonic() - started)
 
     def _track(self, future: asyncio.Future, records: int = 1) -> None:
         self.in_flight += 1
@@ -172,3 +204,33 @@ class Publisher:
 
     async def flush(self) -> None:
         await self.producer.flush()
+
+    async def flush_at_shutdown(self, pending: Collection[asyncio.Future] = (),
+                                timeout_s: float = SHUTDOWN_WAIT_S) -> bool:
+        """Shutdown: wait until the `pending` tasks (still handing records over) are done and
+        every record handed over is acknowledged or failed, at most `timeout_s` in all.
+        True when all of it was. Past the time (the broker away) the pending tasks are
+        cancelled, it says so and returns False; so does every later call, at once."""
+        if self.stuck:
+            return False
+        deadline = time.monotonic() + timeout_s
+        pending = list(pending)
+        try:
+            if pending:
+                _, late = await asyncio.wait(pending, timeout=timeout_s)
+                if late:
+                    raise asyncio.TimeoutError
+            await asyncio.wait_for(self.producer.flush(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            for task in pending:
+                task.cancel()
+            self.stuck = True
+            log.warning("records not acknowledged within %.0f s (is the broker reachable?): stopping without "
+                        "them (%d handed over); their work was not committed, the partitions' next owner "
+                        "redoes it", timeout_s, self.in_flight)
+            return False
+        failed = [task.exception() for task in pending if not task.cancelled() and task.exception() is not None]
+        if failed:
+            log.warning("handing records over failed at shutdown (%r): that work was not committed, the "
+                        "partitions' next owner redoes it", failed[0])
+        return not failed
