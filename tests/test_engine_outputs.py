@@ -75,3 +75,37 @@ def test_a_stopped_worker_does_not_hold_the_engine(loop):
     finished = threading.Event()
     threading.Thread(target=lambda: (outputs.deliver([1], 0.0), finished.set()), daemon=True).start()
     assert finished.wait(10), "deliver() kept waiting for a loop that is closed"
+
+
+async def test_step_figures_reach_the_metrics_within_the_flush_interval_and_at_shutdown():
+    """Each engine step's time, batch and longest gap reach the histograms in batches: at
+    most StepMetrics.FLUSH_S after the step, and at once on `flush` (the worker's shutdown),
+    so a scrape after a worker stopped counts every step it made."""
+    from workers.generate.outputs import StepOutputs
+    from workers.generate.service import StepMetrics
+
+    metrics = StepMetrics(asyncio.get_running_loop())
+
+    def counts() -> tuple[float, float, float, float]:
+        return (metrics.step_time.series._sum.get(), sample(metrics.batch_size.series),
+                sample(metrics.inter_token.series), sample(metrics.step_time.series))
+
+    def sample(histogram) -> float:
+        return sum(bucket.get() for bucket in histogram._buckets)
+
+    before = counts()
+    step = StepOutputs(("a", "b"), (5, 6), None, 1)
+    step.batch, step.gap_s = 256, 0.004
+    for _ in range(3):
+        metrics.observe(step, 0.002)
+    metrics.observe(step, 0.0)  # tokens handed on between steps: not a step
+    deadline = time.monotonic() + 5 * StepMetrics.FLUSH_S + 5
+    while counts()[3] < before[3] + 3:
+        assert time.monotonic() < deadline, "the steps never reached the histograms"
+        await asyncio.sleep(0.01)  # (the flush is a timer on this loop)
+    after = counts()
+    assert after[1] - before[1] == 3 and after[2] - before[2] == 3 and after[3] - before[3] == 3
+    assert abs(after[0] - before[0] - 0.006) < 1e-9
+    metrics.observe(step, 0.002)
+    metrics.flush()
+    assert counts()[3] == before[3] + 4

@@ -6,8 +6,9 @@ Everything the worker's process does for a token except the broker round trips a
 engine itself: the engine's steps as its child sends them on the pipe (msgpack bytes of
 `Step`, made once per side, before the timed runs: the synthetic engine, every request
 in every step; in code with a token holder on the engine's side, what the holder hands
-on, made the same way) are decoded as the worker's pipe reader does and handed to the
-real `GenerateHandler.on_outputs`, which turns them into chunk records (in older code the
+on, made the same way, each a 2 ms step) are decoded as the worker's pipe reader does and
+handed to what it hands them to, the real `EngineOutputs.on_step` (the step's metrics)
+and `GenerateHandler.on_outputs`, which turns them into chunk records (in older code the
 chunk policy too; `GenerateChunk` structs, msgpack encoding, record size check, headers,
 metrics) and publishes them through the real `Publisher.publish_batch` into aiokafka's
 own `BatchBuilder`s, which a stand-in producer acknowledges at once (no network, no
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+STEP_S = 0.002  # each step's time, as the engine reports it (the metrics observe it)
 sys.path.insert(0, str(HERE.parent))
 from paired import Message, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
@@ -131,7 +133,7 @@ def build(k: int, requests: int, tokens: int, prompt_tokens: int, chunk_tokens: 
         if holder is not None:
             step = holder.step(step, time.monotonic())
         if step:
-            steps.append(engine_process._encode(engine_process.Step(step, 0.0)))
+            steps.append(engine_process._encode(engine_process.Step(step, STEP_S)))
     return messages, steps, requests * tokens
 
 
@@ -139,6 +141,7 @@ async def run_side(messages, steps, chunk_tokens: int):
     from aiokafka import TopicPartition
 
     from workers.generate import engine_process
+    from workers.generate.service import EngineOutputs
     from workers.generate.worker import GenerateHandler
     from workers.kafka.offsets import PartitionOffsets
     from workers.kafka.settings import KafkaSettings
@@ -152,6 +155,8 @@ async def run_side(messages, steps, chunk_tokens: int):
     publisher.in_flight = 10**12  # a lagging producer, whatever is acknowledged: see above
     handler = GenerateHandler(KafkaSettings(topic_prefix="b"), publisher, offsets,
                               Engine(), max_running=len(messages), policy=policy)
+    reader = EngineOutputs(asyncio.get_running_loop())  # what the pipe reader hands each step to
+    reader.engine, reader.handler = handler.engine, handler
     msgs = [Message(*m) for m in messages]
     decode = engine_process._decode_from_child
     start = time.process_time()
@@ -159,7 +164,8 @@ async def run_side(messages, steps, chunk_tokens: int):
         offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)
         await handler.handle(m)
     for data in steps:
-        handler.on_outputs(decode(data).outputs)  # the pipe reader's decode and handling, on the loop
+        step = decode(data)  # the pipe reader's decode and handling (the step's metrics, the handler), on the loop
+        reader.on_step(step.outputs, step.step_s)
         while handler._publishing:  # the step's publish task
             await asyncio.sleep(0)
     return time.process_time() - start, sink

@@ -24,7 +24,7 @@ from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import BATCH_SIZE, INTER_TOKEN, STEP_TIME, series
+from workers.metrics import BATCH_SIZE, INTER_TOKEN, STEP_TIME, HistogramBatch, series
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
@@ -115,23 +115,29 @@ class EngineOutputs:
         self.max_steps_waiting = max_steps_waiting
         self.engine = None
         self.handler: GenerateHandler | None = None
+        self.metrics = StepMetrics(loop)
         self._room = threading.BoundedSemaphore(max_steps_waiting)
 
     def on_step(self, outputs: StepOutputs, step_s: float) -> asyncio.Future | None:
         """On the loop: one step to the handler; returns its publish step (None: none)."""
-        _observe(outputs, step_s)
+        self.metrics.observe(outputs, step_s)
         return self._publish(outputs)
 
     def deliver(self, outputs: StepOutputs, step_s: float) -> None:
         """On an engine thread of this process: waits for room, then hands the step over."""
-        _observe(outputs, step_s)
         if outputs or self.engine.failure is not None:
             while not self._room.acquire(timeout=0.5):
                 if self.loop.is_closed():
                     return  # the worker has stopped: nobody will take these
-            self.loop.call_soon_threadsafe(self._on_loop, outputs)
+            self.loop.call_soon_threadsafe(self._on_loop, outputs, step_s)
+        elif step_s and not self.loop.is_closed():  # (a step that handed on nothing: its figures still count)
+            try:
+                self.loop.call_soon_threadsafe(self.metrics.observe, outputs, step_s)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: the worker has stopped
 
-    def _on_loop(self, outputs: StepOutputs) -> None:
+    def _on_loop(self, outputs: StepOutputs, step_s: float) -> None:
+        self.metrics.observe(outputs, step_s)
         published = self._publish(outputs)
         if published is None:
             self._room.release()
@@ -146,12 +152,40 @@ class EngineOutputs:
         return self.handler.on_outputs(outputs)
 
 
-def _observe(outputs: StepOutputs, step_s: float) -> None:
-    if step_s:  # an engine step (not tokens the holder handed on between steps)
-        series(STEP_TIME, W).observe(step_s)
-        series(BATCH_SIZE, W).observe(outputs.batch or len(outputs))  # (batch: the holder's; it hands on fewer)
+class StepMetrics:
+    """Each engine step's figures for the metrics endpoint (its time, its batch, the
+    longest gap between a request's tokens), observed on the loop and added to the
+    histograms at most every FLUSH_S (HistogramBatch): three Histogram.observe calls a
+    step, each walking its buckets under locks, were ~3% of a generate worker's CPU at
+    batch 256 (py-spy, BENCHMARKS.md "Shutdown with the broker gone, and step metrics
+    in batches"). A scrape sees a step at most FLUSH_S late; `flush` at shutdown."""
+
+    FLUSH_S = 0.25
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.step_time = HistogramBatch(series(STEP_TIME, W))
+        self.batch_size = HistogramBatch(series(BATCH_SIZE, W))
+        self.inter_token = HistogramBatch(series(INTER_TOKEN, W))
+        self._due: asyncio.TimerHandle | None = None  # the next flush, while observations wait
+
+    def observe(self, outputs: StepOutputs, step_s: float) -> None:
+        if not step_s:  # tokens the holder handed on between steps: no step
+            return
+        self.step_time.observe(step_s)
+        self.batch_size.observe(outputs.batch or len(outputs))  # (batch: the holder's; it hands on fewer)
         if outputs.gap_s:
-            series(INTER_TOKEN, W).observe(outputs.gap_s)
+            self.inter_token.observe(outputs.gap_s)
+        if self._due is None:
+            self._due = self.loop.call_later(self.FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+            self._due = None
+        self.step_time.flush()
+        self.batch_size.flush()
+        self.inter_token.flush()
 
 
 async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerConfig, *, engine=None,
@@ -217,3 +251,4 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                            uses=[settings.topic("chunks"), settings.topic("cancel")])
     finally:
         outputs.engine.stop()
+        outputs.metrics.flush()
