@@ -156,9 +156,9 @@ class StepMetrics:
     """Each engine step's figures for the metrics endpoint (its time, its batch, the
     longest gap between a request's tokens), observed on the loop and added to the
     histograms at most every FLUSH_S (HistogramBatch): three Histogram.observe calls a
-    step, each walking its buckets under locks, were ~3% of a generate worker's CPU at
-    batch 256 (py-spy, BENCHMARKS.md "Shutdown with the broker gone, and step metrics
-    in batches"). A scrape sees a step at most FLUSH_S late; `flush` at shutdown."""
+    step, each walking its buckets under locks, were 3.5% of a generate worker's py-spy
+    samples at batch 256 (1.6% batched: BENCHMARKS.md, "A broker away, and a step's
+    metrics in batches"). A scrape sees a step at most FLUSH_S late; `flush` at shutdown."""
 
     FLUSH_S = 0.25
 
