@@ -91,6 +91,8 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
             texts = [text for text, _ in await asyncio.wait_for(asyncio.gather(*tasks), 300)]
         for name, proc in workers.procs:
             assert proc.poll() is None, f"{name} died across the restart:\n{workers.log(name)[-3000:]}"
+        if how == "away":  # the outage did what it is there for: a send found no room and waited
+            assert "no room in the producer's queue for" in workers.log("generate"), workers.log("generate")[-3000:]
     finally:
         codes = workers.stop_all()
         await asyncio.to_thread(local.broker_down, port=RESTART_PORT, data_dir=data_dir)
