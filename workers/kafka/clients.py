@@ -14,6 +14,7 @@ second, which on a shared box cost the engine ~10% of its tokens/s (engine (c)).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -118,3 +119,17 @@ def _why(settings: KafkaSettings, messages: list[str], exc: Exception) -> str:
         return f"TLS with {where} failed: {' '.join(detail.split())[:300]} (check --ssl-cafile and --security-protocol)"
     return (f"cannot reach {where}: {exc} (is the broker up? check --bootstrap-servers / "
             f"GENPIPE_BOOTSTRAP_SERVERS and --security-protocol)")
+
+
+async def wait_at_most(awaitable, timeout_s: float, not_done: str, then: str) -> bool:
+    """Shutdown: `awaitable`, at most `timeout_s`. With the broker away aiokafka waits for
+    it as long as it is away (a commit, leaving the group, a flush), and a worker told to
+    stop never stopped (docs/design.md §7). Past the bound: logs "<not_done> within N s
+    (is the broker reachable?): <then>" and returns False."""
+    try:
+        await asyncio.wait_for(awaitable, timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        logging.getLogger(__name__).warning("%s within %.0f s (is the broker reachable?): %s",
+                                            not_done, timeout_s, then)
+        return False

@@ -25,7 +25,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from workers.kafka.assignor import StickyAssignor
-from workers.kafka.clients import make_admin, make_consumer
+from workers.kafka.clients import make_admin, make_consumer, wait_at_most
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.settings import KafkaSettings
 from workers.metrics import REBALANCES, series, update_lag
@@ -150,11 +150,8 @@ class ConsumerLoop:
         (measured: both workers still up 150 s after SIGTERM). Past the bound it stops
         without it; the partitions' next owner re-reads from the last commit, which
         loses nothing (docs/design.md §6)."""
-        try:
-            await asyncio.wait_for(self._commit_all(), self.shutdown_wait_s)
-        except asyncio.TimeoutError:
-            log.warning("final commit not done within %.0f s (is the broker reachable?): stopping without it; "
-                        "the partitions' next owner re-reads from the last commit", self.shutdown_wait_s)
+        await wait_at_most(self._commit_all(), self.shutdown_wait_s, "final commit not done",
+                           "stopping without it; the partitions' next owner re-reads from the last commit")
 
     async def _commit_all(self) -> None:
         await self._commit_settled()
@@ -287,11 +284,8 @@ class ConsumerLoop:
         (its last commit timed out too) was still in it 50 s later, until killed (CI,
         tests/test_broker_restart.py). Past the bound the group drops this member after
         its session timeout; its partitions' next owner re-reads from the last commit."""
-        try:
-            await asyncio.wait_for(self.consumer.stop(), self.shutdown_wait_s)
-        except asyncio.TimeoutError:
-            log.warning("consumer not stopped within %.0f s (is the broker reachable?): leaving the group to "
-                        "drop this member after its session timeout", self.shutdown_wait_s)
+        await wait_at_most(self.consumer.stop(), self.shutdown_wait_s, "consumer not stopped",
+                           "leaving the group to drop this member after its session timeout")
 
     async def _consume(self, stop: asyncio.Event) -> None:
         last_commit = time.monotonic()

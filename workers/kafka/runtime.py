@@ -12,7 +12,7 @@ import logging
 import signal
 from typing import Awaitable, Callable, Sequence
 
-from workers.kafka.clients import KafkaUnreachable, make_producer, start_client
+from workers.kafka.clients import KafkaUnreachable, make_producer, start_client, wait_at_most
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import MAX_RECORD_BYTES, SHUTDOWN_WAIT_S, Publisher, request_size_for
@@ -100,16 +100,8 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
         for task in tasks + ([ready_task] if ready_task else []):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await stop_producer(producer, 1.0 if publisher.stuck else SHUTDOWN_WAIT_S)
+        # (it flushes first: what a stuck flush left was not committed, Publisher.flush_at_shutdown)
+        await wait_at_most(producer.stop(), 1.0 if publisher.stuck else SHUTDOWN_WAIT_S, "producer not stopped",
+                           "leaving it")
         for sig in installed:
             loop.remove_signal_handler(sig)
-
-
-async def stop_producer(producer, timeout_s: float) -> None:
-    """`producer.stop()`, at most `timeout_s`: it flushes first, and with the broker away
-    aiokafka's flush waits as long as the broker is away (what is left was not committed:
-    Publisher.flush_at_shutdown)."""
-    try:
-        await asyncio.wait_for(producer.stop(), timeout_s)
-    except asyncio.TimeoutError:
-        log.warning("producer not stopped within %.0f s (is the broker reachable?): leaving it", timeout_s)
