@@ -183,6 +183,41 @@ async def test_a_rolling_restart_of_every_broker_under_load_loses_no_request(clu
           f"of a request {max(gaps):.2f} s")
 
 
+async def test_a_partition_without_a_leader_past_the_request_timeout_loses_no_request(cluster, tiny_model_dir):
+    """Topics with one replica (a deployment's choice for a high-volume chunk topic): the
+    broker holding chunks[0] dies and stays away longer than the producers' request timeout
+    (30 s), while the other two answer. aiokafka then fails the records it queued for the
+    partition (no leader past their time to live) instead of waiting for it."""
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    await create_topics(settings, partitions=2, replication_factor=1)
+    pipeline = Pipeline(settings, tiny_model_dir)
+    requests = _requests("leaderless", 8, 400)  # ~20 s each at 20 tokens/s: the outage lands mid-stream
+    gaps: list[float] = []
+    try:
+        await pipeline.started()
+        async with GenpipeClient(settings=settings, timeout_s=120) as client:
+            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
+            await _wait(lambda: len(gaps) >= 8, 60, "first results")
+            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            await asyncio.to_thread(node_down, cluster, victim, kill=True)
+            away_until = time.monotonic() + AWAY_S
+            await _wait(lambda: time.monotonic() > away_until or not pipeline.alive(), AWAY_S + 5, "the outage")
+            await asyncio.to_thread(node_up, cluster, victim)
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert pipeline.alive(), "a worker stopped"
+    finally:
+        results = await pipeline.close()
+    assert results == [0, 0]
+    expected = uninterrupted_texts(tiny_model_dir, requests)
+    for request, (text, _) in zip(requests, done):
+        assert text == expected[request.request_id], request.request_id
+    print(f"\ncluster leaderless partition: {len(requests)} requests, 0 lost, broker {victim} away {AWAY_S} s; "
+          f"restarts seen {sum(r for _, r in done)}")
+
+
+AWAY_S = 45  # past the producers' request timeout (30 s: workers/kafka/clients.py)
+
+
 async def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

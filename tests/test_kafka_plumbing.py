@@ -16,6 +16,7 @@ from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.settings import KafkaSettings
 
 pytestmark = pytest.mark.kafka
 
@@ -191,3 +192,27 @@ async def test_follow_from_a_time_never_skips_a_record_produced_while_it_starts(
     finally:
         await consumer.stop()
         await producer.stop()
+
+
+async def test_a_producers_batches_wait_for_a_leader_however_long_it_takes():
+    """No broker needed: what the producer's accumulator decides. A batch queued for a
+    partition without a leader is kept, not failed after the request timeout: for an
+    idempotent producer that failure also left a hole in the partition's sequence, and
+    the broker refused every later record of the producer there (tests/test_cluster.py
+    shows the whole pipeline). This fails on an aiokafka where the lift no longer
+    applies (workers/kafka/clients.py `keep_batches_until_sent`)."""
+    producer = make_producer(KafkaSettings(bootstrap_servers="127.0.0.1:9"))
+    try:
+        accumulator = producer._message_accumulator
+        tp = TopicPartition("t", 0)
+        builder = accumulator.create_builder()
+        builder.append(key=b"k", value=b"v", timestamp=None)
+        batch = accumulator._append_batch(builder, tp)
+        batch._ctime -= 3600  # queued an hour ago, no leader ever since (this producer has no metadata)
+        assert not batch.expired()
+        nodes, unknown_leaders = accumulator.drain_by_nodes(ignore_nodes=set())
+        assert unknown_leaders and not nodes
+        assert not batch.future.done(), "the batch was failed while its partition had no leader"
+        assert accumulator._batches[tp][0] is batch
+    finally:
+        await producer.stop()  # (never started: nothing to flush)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
@@ -33,7 +34,34 @@ def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
         request_timeout_ms=30000,
     )
     options.update(overrides)
-    return AIOKafkaProducer(**settings.client_kwargs(), **options)
+    producer = AIOKafkaProducer(**settings.client_kwargs(), **options)
+    if options["enable_idempotence"]:
+        keep_batches_until_sent(producer)
+    return producer
+
+
+def keep_batches_until_sent(producer: AIOKafkaProducer) -> None:
+    """Never fail a queued batch because its partition has had no leader for a while.
+
+    aiokafka fails a batch that waited its request timeout (30 s) for a partition without
+    a leader (a topic with one replica whose broker is away, while the cluster's other
+    brokers answer). For an idempotent producer that is worse than the loss: the
+    partition's sequence numbers now have a hole, and the broker refuses every later
+    batch of this producer to that partition (OutOfOrderSequenceNumber) until the process
+    restarts (aiokafka issue #1017). A generate worker's requests then stalled until
+    their clients timed out (tests/test_cluster.py, a leaderless partition). aiokafka
+    itself never expires an idempotent producer's batch once sent ("retry until we
+    succeed", its sender's `_can_retry`); this makes the wait for a leader the same:
+    records wait as they do for a broker that is away (workers/kafka/publisher.py
+    `_enqueue`), and shutdown bounds the wait (docs/design.md §7)."""
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if accumulator is None or not isinstance(getattr(accumulator, "_batch_ttl", None), (int, float)):
+        # (tests/test_kafka_plumbing.py fails on an aiokafka where this no longer holds)
+        logging.getLogger(__name__).warning(
+            "this aiokafka has no batch time to live to lift: records for a partition without a leader for "
+            "30 s may be lost")
+        return
+    accumulator._batch_ttl = math.inf
 
 
 def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, **overrides) -> AIOKafkaConsumer:
