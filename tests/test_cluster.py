@@ -216,6 +216,60 @@ async def test_a_partition_without_a_leader_past_the_request_timeout_loses_no_re
 
 
 AWAY_S = 45  # past the producers' request timeout (30 s: workers/kafka/clients.py)
+REBALANCE_AWAY_S = 25  # under the consumers' session timeout (30 s): the group does not drop the waiting worker
+
+
+async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does_not_wait_for_it(
+        cluster, tiny_model_dir, monkeypatch):
+    """A rebalance while the broker of a one-replica partition is away: the generate worker
+    giving partitions up waited for its records to that partition to be acknowledged, with
+    no end, and the whole group's rebalance with it (until the broker came back, or the
+    group dropped the worker after its session timeout, 30 s, while it still ran its
+    requests). Now it waits at most REBALANCE_WAIT_S (workers/kafka/publisher.py; 3 s
+    here, so that the broker, away 25 s, is still away with margin on a slow machine), and
+    the new worker gets its partitions while the broker is away. Nothing is lost."""
+    monkeypatch.setattr("workers.generate.worker.REBALANCE_WAIT_S", 3.0)
+    from workers.generate.engine import Engine
+    from workers.generate.service import GenerateWorkerConfig, run_generate_worker
+
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    await create_topics(settings, partitions=2, replication_factor=1)
+    pipeline = Pipeline(settings, tiny_model_dir)
+    requests = _requests("joins", 8, 400)
+    gaps: list[float] = []
+    joined, stop_second = asyncio.Event(), asyncio.Event()
+    second = None
+    try:
+        await pipeline.started()
+        async with GenpipeClient(settings=settings, timeout_s=180) as client:
+            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
+            await _wait(lambda: len(gaps) >= 8, 60, "first results")
+            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            await asyncio.to_thread(node_down, cluster, victim, kill=True)
+            back_at = time.monotonic() + REBALANCE_AWAY_S
+            second = asyncio.ensure_future(run_generate_worker(
+                settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-generate", max_batch=8,
+                                               min_step_s=0.05),
+                engine=Engine(str(tiny_model_dir), max_batch=8), stop=stop_second, on_ready=joined.set))
+            await _wait(lambda: joined.is_set() or time.monotonic() > back_at or second.done(), REBALANCE_AWAY_S + 5,
+                        "the second worker or the broker")
+            joined_before_the_broker = joined.is_set() and time.monotonic() < back_at
+            await _wait(lambda: time.monotonic() > back_at, REBALANCE_AWAY_S + 5, "the outage")
+            await asyncio.to_thread(node_up, cluster, victim)
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert pipeline.alive() and not second.done(), "a worker stopped"
+    finally:
+        stop_second.set()
+        results = await pipeline.close()
+        if second is not None:
+            results.append(await asyncio.wait_for(second, 120))
+    assert joined_before_the_broker, "the group's rebalance waited for the broker that was away"
+    assert results == [0, 0, 0]
+    expected = uninterrupted_texts(tiny_model_dir, requests)
+    for request, (text, _) in zip(requests, done):
+        assert text == expected[request.request_id], request.request_id
+    print(f"\ncluster rebalance without a leader: {len(requests)} requests, 0 lost; "
+          f"restarts seen {sum(r for _, r in done)}")
 
 
 async def _wait(condition, timeout: float, what: str) -> None:

@@ -216,3 +216,29 @@ async def test_a_producers_batches_wait_for_a_leader_however_long_it_takes():
         assert accumulator._batches[tp][0] is batch
     finally:
         await producer.stop()  # (never started: nothing to flush)
+
+
+async def test_a_followers_offset_lookup_waits_for_a_leader_and_a_clients_does_not(caplog):
+    """No broker needed. A lookup of a partition without a leader times out (aiokafka:
+    "Failed to get offsets by times in 40000 ms"); a generate worker's cancel follower
+    tries again (it stopped the worker before: tests/test_cluster.py), a client's start
+    fails with it."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    from workers.kafka.follow import _looked_up
+
+    calls = []
+
+    async def lookup():
+        calls.append(1)
+        if len(calls) < 3:
+            raise KafkaTimeoutError("Failed to get offsets by times in 40000 ms")
+        return {"t-0": 5}
+
+    assert await _looked_up(lookup, "t", wait_for_leaders=True) == {"t-0": 5}
+    assert len(calls) == 3
+    assert "t: offsets not found" in caplog.text and "does every partition have a leader?" in caplog.text
+    calls.clear()
+    with pytest.raises(KafkaTimeoutError):
+        await _looked_up(lookup, "t", wait_for_leaders=False)
+    assert len(calls) == 1

@@ -27,7 +27,7 @@ from workers.generate.outputs import StepOutputs
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
                                    release_when_acked)
-from workers.kafka.publisher import Publisher
+from workers.kafka.publisher import REBALANCE_WAIT_S, Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
@@ -360,9 +360,16 @@ class GenerateHandler(Handler):
         """Before the loop commits the revoked partitions: let the finals already handed to
         the producer be acknowledged (releasing their offsets), so that a partition that
         moves is not re-run past work that had in fact finished. Running requests go on:
-        `on_lost` stops those whose partitions do not come back."""
-        await asyncio.gather(*self._publishing, return_exceptions=True)  # (a failure is logged: _published)
-        await self.publisher.flush()
+        `on_lost` stops those whose partitions do not come back. The wait is bounded: with
+        a partition of the cluster without a leader it had no end, and the group's
+        rebalance, every member's, waited with it. Past the bound what was not acknowledged
+        is not committed, so the partitions' next owner redoes it (a failure of a step is
+        logged: _published)."""
+        if not await self.publisher.settle(self._publishing, REBALANCE_WAIT_S):
+            log.warning("records not acknowledged within %.0f s of a rebalance (is the broker reachable? does every "
+                        "partition have a leader?): giving the partitions up without them (%d handed over); what "
+                        "was not acknowledged is not committed, their next owner redoes it",
+                        REBALANCE_WAIT_S, self.publisher.in_flight)
 
     async def on_assigned(self, partitions, committed) -> None:
         for tp in partitions:

@@ -13,7 +13,7 @@ import time
 from typing import Awaitable, Callable
 
 from aiokafka import TopicPartition
-from aiokafka.errors import TopicAuthorizationFailedError
+from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
 
 from workers.kafka.clients import make_consumer
 from workers.kafka.settings import KafkaSettings
@@ -41,14 +41,21 @@ async def partitions_of(consumer, topic: str, timeout_s: float = 30.0) -> list[T
     return [TopicPartition(topic, p) for p in sorted(partitions)]
 
 
-async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: float = 30.0) -> list[TopicPartition]:
-    """Assign every partition of `topic` and seek to `since_ms` (None: the end)."""
+async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: float = 30.0,
+                     wait_for_leaders: bool = False) -> list[TopicPartition]:
+    """Assign every partition of `topic` and seek to `since_ms` (None: the end). The
+    offset lookups need every partition's leader; without one they fail after the
+    consumer's request timeout, or with `wait_for_leaders` (a worker starting while a
+    broker of the cluster is away) are tried again until it answers."""
     tps = await partitions_of(consumer, topic, timeout_s)
     # Both lookups before assigning: the ends first, so a record that lands between the
     # two is either found by the time lookup or at/after the end we fall back to — never
     # skipped (the other order lost a cancel produced while a generate worker started).
-    ends = await consumer.end_offsets(tps)
-    found = await consumer.offsets_for_times({tp: since_ms for tp in tps}) if since_ms is not None else {}
+    # (An end looked up long before the time lookup is as safe: it is only used where no
+    # record of `since_ms` or later was found, and so none came after it.)
+    ends = await _looked_up(lambda: consumer.end_offsets(tps), topic, wait_for_leaders)
+    found = await _looked_up(lambda: consumer.offsets_for_times({tp: since_ms for tp in tps}),
+                             topic, wait_for_leaders) if since_ms is not None else {}
     # Then assign and seek with no await in between, so the consumer's first fetch already
     # starts at these positions: a fetch sent from its default position would sit on the
     # broker for up to fetch_max_wait_ms before the seek could take effect.
@@ -56,6 +63,19 @@ async def assign_all(consumer, topic: str, since_ms: int | None, timeout_s: floa
     for tp in tps:
         consumer.seek(tp, found[tp].offset if found.get(tp) is not None else ends[tp])
     return tps
+
+
+async def _looked_up(lookup: Callable[[], Awaitable[dict]], topic: str, wait_for_leaders: bool) -> dict:
+    """`lookup()`; with `wait_for_leaders`, again after each timeout. A generate worker
+    that started while a partition of its cancel topic had no leader (one replica, its
+    broker away) stopped after 40 s with this lookup's timeout (tests/test_cluster.py)."""
+    while True:
+        try:
+            return await lookup()
+        except KafkaTimeoutError as exc:
+            if not wait_for_leaders:
+                raise
+            log.warning("%s: offsets not found (%s; does every partition have a leader?): trying again", topic, exc)
 
 
 async def assign_range(consumer, topic: str, start: tuple[str, int], end: int | None = None,
@@ -109,7 +129,7 @@ async def follow(settings: KafkaSettings, topic: str, on_record: Callable[[objec
     consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
     await consumer.start()
     try:
-        await assign_all(consumer, topic, since_ms)
+        await assign_all(consumer, topic, since_ms, wait_for_leaders=True)
         if ready is not None:
             ready.set()
         async for records in batches(consumer, poll_ms=poll_timeout_ms):

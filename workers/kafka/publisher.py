@@ -37,6 +37,11 @@ _UNKNOWN_TOPICS_KEPT = 10_000
 # worker told to stop never stopped (docs/design.md §7). Past this it stops without them;
 # their work was not committed, so the partitions' next owner redoes it.
 SHUTDOWN_WAIT_S = 10.0
+# Rebalance: how long a worker giving partitions up waits for the records it handed over
+# to be acknowledged (so a partition that moves is not re-run past finished work). With a
+# partition of the cluster without a leader that wait had no end, and the whole group's
+# rebalance waited with it: every member, whatever its partitions (docs/design.md §6).
+REBALANCE_WAIT_S = 10.0
 
 
 class TopicUnavailable(Exception):
@@ -205,23 +210,30 @@ class Publisher:
     async def flush(self) -> None:
         await self.producer.flush()
 
+    async def settle(self, pending: Collection[asyncio.Future], timeout_s: float) -> bool:
+        """Wait until the `pending` tasks (still handing records over) are done and every
+        record handed over is acknowledged or failed, at most `timeout_s` in all; True when
+        all of it was. Cancels nothing: past the time, what waits goes on waiting."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(pending)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+            if late:
+                return False
+        try:
+            await asyncio.wait_for(self.producer.flush(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     async def flush_at_shutdown(self, pending: Collection[asyncio.Future] = (),
                                 timeout_s: float = SHUTDOWN_WAIT_S) -> bool:
-        """Shutdown: wait until the `pending` tasks (still handing records over) are done and
-        every record handed over is acknowledged or failed, at most `timeout_s` in all.
-        True when all of it was. Past the time (the broker away) the pending tasks are
+        """Shutdown: `settle`. Past the time (the broker away) the pending tasks are
         cancelled, it says so and returns False; so does every later call, at once."""
         if self.stuck:
             return False
-        deadline = time.monotonic() + timeout_s
         pending = list(pending)
-        try:
-            if pending:
-                _, late = await asyncio.wait(pending, timeout=timeout_s)
-                if late:
-                    raise asyncio.TimeoutError
-            await asyncio.wait_for(self.producer.flush(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        if not await self.settle(pending, timeout_s):
             for task in pending:
                 task.cancel()
             self.stuck = True
