@@ -219,23 +219,26 @@ AWAY_S = 45  # past the producers' request timeout (30 s: workers/kafka/clients.
 REBALANCE_AWAY_S = 25  # under the consumers' session timeout (30 s): the group does not drop the waiting worker
 
 
+@pytest.mark.parametrize("worker, topic", [("generate", "chunks"), ("derender", "results")])
 async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does_not_wait_for_it(
-        cluster, tiny_model_dir, monkeypatch):
-    """A rebalance while the broker of a one-replica partition is away: the generate worker
-    giving partitions up waited for its records to that partition to be acknowledged, with
-    no end, and the whole group's rebalance with it (until the broker came back, or the
-    group dropped the worker after its session timeout, 30 s, while it still ran its
-    requests). Now it waits at most REBALANCE_WAIT_S (workers/kafka/publisher.py; 3 s
-    here, so that the broker, away 25 s, is still away with margin on a slow machine), and
-    the new worker gets its partitions while the broker is away. Nothing is lost."""
+        cluster, tiny_model_dir, monkeypatch, worker, topic):
+    """A rebalance while the broker of a one-replica partition the worker publishes to is
+    away. The generate worker giving partitions up waited for its records to that
+    partition to be acknowledged, with no end, and the whole group's rebalance with it
+    (until the broker came back, or the group dropped the worker after its session
+    timeout, 30 s, while it still ran its requests). Now it waits at most
+    REBALANCE_WAIT_S (workers/kafka/publisher.py; 3 s here, so that the broker, away 25 s,
+    is still away with margin on a slow machine), and the new worker gets its partitions
+    while the broker is away. Nothing is lost."""
     monkeypatch.setattr("workers.generate.worker.REBALANCE_WAIT_S", 3.0)
+    from workers.derender.service import DerenderWorkerConfig, run_derender_worker
     from workers.generate.engine import Engine
     from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     await create_topics(settings, partitions=2, replication_factor=1)
     pipeline = Pipeline(settings, tiny_model_dir)
-    requests = _requests("joins", 8, 400)
+    requests = _requests(f"joins-{worker}", 8, 400)
     gaps: list[float] = []
     joined, stop_second = asyncio.Event(), asyncio.Event()
     second = None
@@ -244,13 +247,19 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
         async with GenpipeClient(settings=settings, timeout_s=180) as client:
             tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
             await _wait(lambda: len(gaps) >= 8, 60, "first results")
-            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            victim = (await _leaders(settings, settings.topic(topic)))[0]
             await asyncio.to_thread(node_down, cluster, victim, kill=True)
             back_at = time.monotonic() + REBALANCE_AWAY_S
-            second = asyncio.ensure_future(run_generate_worker(
-                settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-generate", max_batch=8,
-                                               min_step_s=0.05),
-                engine=Engine(str(tiny_model_dir), max_batch=8), stop=stop_second, on_ready=joined.set))
+            if worker == "generate":
+                second = asyncio.ensure_future(run_generate_worker(
+                    settings, GenerateWorkerConfig(group_id=f"{settings.topic_prefix}-generate", max_batch=8,
+                                                   min_step_s=0.05),
+                    engine=Engine(str(tiny_model_dir), max_batch=8), stop=stop_second, on_ready=joined.set))
+            else:
+                second = asyncio.ensure_future(run_derender_worker(
+                    settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir),
+                                                   group_id=f"{settings.topic_prefix}-derender"),
+                    stop=stop_second, on_ready=joined.set))
             await _wait(lambda: joined.is_set() or time.monotonic() > back_at or second.done(), REBALANCE_AWAY_S + 5,
                         "the second worker or the broker")
             joined_before_the_broker = joined.is_set() and time.monotonic() < back_at
@@ -268,7 +277,7 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
     expected = uninterrupted_texts(tiny_model_dir, requests)
     for request, (text, _) in zip(requests, done):
         assert text == expected[request.request_id], request.request_id
-    print(f"\ncluster rebalance without a leader: {len(requests)} requests, 0 lost; "
+    print(f"\ncluster rebalance without a leader ({worker}): {len(requests)} requests, 0 lost; "
           f"restarts seen {sum(r for _, r in done)}")
 
 

@@ -45,6 +45,8 @@ DEFAULT_SEND_TIMEOUT_S = 15.0
 # The follower starts this far before "now" (clock skew between client and broker; the
 # position is resolved before any request is sent, so nothing sent later is missed).
 SINCE_MARGIN_S = 5.0
+# close(): how long the producer may wait for Kafka to acknowledge the records it holds.
+CLOSE_WAIT_S = 10.0
 
 
 # --- the client --------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class GenpipeClient:
                 await _stop(consumer)
         finally:
             if producer is not None:
-                await _stop(producer)
+                await _stop_producer(producer, CLOSE_WAIT_S)
 
     def _fail_waiting(self, error: BaseException | None) -> None:
         self._closed = _Closed(error)
@@ -365,6 +367,25 @@ async def _stop(kafka_client) -> None:
         if task is not None and task.cancelling():
             raise
         log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
+
+
+async def _stop_producer(producer, timeout_s: float) -> None:
+    """Stop the producer, waiting at most `timeout_s` for Kafka to acknowledge what it holds.
+
+    aiokafka's stop() first waits for every record it holds, however long the broker (or a
+    partition's leader: workers/kafka/clients.py `keep_batches_until_sent`) is away, and a
+    gateway told to stop while Kafka was down never stopped. Past the bound the records
+    are dropped; none was acknowledged, so each send that holds one raises
+    GenpipeUnavailable (or already did): no caller is told a record went that did not."""
+    from workers.kafka.clients import wait_at_most
+
+    if not await wait_at_most(producer.flush(), timeout_s, "genpipe client: records not acknowledged",
+                              "closing without them"):
+        # stop() waits for its flush or for the sender's task to end, whichever comes first.
+        sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+        if sender_task is not None:
+            sender_task.cancel()
+    await _stop(producer)
 
 
 def _error_info(message: str) -> ErrorInfo:
