@@ -136,9 +136,7 @@ async def test_killing_partition_leaders_and_the_controller_loses_no_request(clu
     finally:
         results = await pipeline.close()
     assert results == [0, 0]
-    expected = uninterrupted_texts(tiny_model_dir, requests)
-    for request, (text, _) in zip(requests, done):
-        assert text == expected[request.request_id], request.request_id
+    _assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster kill test: {len(requests)} requests, 0 lost, brokers killed {killed}; "
           f"worst pause between two results of a request {max(gaps):.2f} s; "
           f"restarts seen {sum(r for _, r in done)}")
@@ -208,9 +206,7 @@ async def test_a_partition_without_a_leader_past_the_request_timeout_loses_no_re
     finally:
         results = await pipeline.close()
     assert results == [0, 0]
-    expected = uninterrupted_texts(tiny_model_dir, requests)
-    for request, (text, _) in zip(requests, done):
-        assert text == expected[request.request_id], request.request_id
+    _assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster leaderless partition: {len(requests)} requests, 0 lost, broker {victim} away {AWAY_S} s; "
           f"restarts seen {sum(r for _, r in done)}")
 
@@ -274,11 +270,16 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
             results.append(await asyncio.wait_for(second, 120))
     assert joined_before_the_broker, "the group's rebalance waited for the broker that was away"
     assert results == [0, 0, 0]
-    expected = uninterrupted_texts(tiny_model_dir, requests)
-    for request, (text, _) in zip(requests, done):
-        assert text == expected[request.request_id], request.request_id
+    _assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster rebalance without a leader ({worker}): {len(requests)} requests, 0 lost; "
           f"restarts seen {sum(r for _, r in done)}")
+
+
+def _assert_uninterrupted(model_dir, requests, done: list[tuple[str, int]]) -> None:
+    """Each request's last attempt reads as the same request run without any failure."""
+    expected = uninterrupted_texts(model_dir, requests)
+    for request, (text, _) in zip(requests, done):
+        assert text == expected[request.request_id], request.request_id
 
 
 async def _wait(condition, timeout: float, what: str) -> None:

@@ -40,7 +40,7 @@ SHUTDOWN_WAIT_S = 10.0
 # Rebalance: how long a worker giving partitions up waits for the records it handed over
 # to be acknowledged (so a partition that moves is not re-run past finished work). With a
 # partition of the cluster without a leader that wait had no end, and the whole group's
-# rebalance waited with it: every member, whatever its partitions (docs/design.md §6).
+# rebalance waited with it: every member, whatever its partitions (docs/design.md §7, "Fleet").
 REBALANCE_WAIT_S = 10.0
 
 
