@@ -242,3 +242,42 @@ async def test_a_followers_offset_lookup_waits_for_a_leader_and_a_clients_does_n
     with pytest.raises(KafkaTimeoutError):
         await _looked_up(lookup, "t", wait_for_leaders=False)
     assert len(calls) == 1
+
+
+async def test_a_batch_the_broker_refuses_does_not_make_it_refuse_the_partitions_next_records(kafka_settings):
+    """A record over its topic's `max.message.bytes` is refused; the partition's next
+    records still go out. On the old code the broker refused every later record of the
+    producer to that partition (OutOfOrderSequenceNumber: the refused batch's sequence
+    numbers stayed counted), until the process restarted (workers/kafka/clients.py
+    `rewind_sequences_of_refused_batches`). The next records are queued while the refused
+    batch is on its way, so the rewind must come before they are numbered."""
+    from aiokafka.admin import NewTopic
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    from workers.kafka.clients import make_admin
+
+    topic = f"{kafka_settings.topic_prefix}.small-records"
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "2000"})])
+    finally:
+        await admin.close()
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    tp = TopicPartition(topic, 0)
+    try:
+        await (await producer.send(topic, b"first", partition=0))
+        for round_ in range(3):
+            refused = await producer.send(topic, b"x" * 5000, partition=0)
+            # on its way (taken from the queue) before the next records are queued behind it
+            await wait_for(lambda: tp not in producer._message_accumulator._batches, 10, "the batch to leave")
+            after = [await producer.send(topic, f"after-{round_}-{i}".encode(), partition=0) for i in range(20)]
+            with pytest.raises(MessageSizeTooLargeError):
+                await refused
+            await asyncio.gather(*after)
+    finally:
+        await producer.stop()
+    records = await read_topic(kafka_settings, topic, until=lambda rs: len(rs) >= 61)
+    assert [r.value.decode() for r in records] == ["first"] + [
+        f"after-{round_}-{i}" for round_ in range(3) for i in range(20)]

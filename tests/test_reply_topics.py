@@ -11,7 +11,7 @@ from schemas import ErrorResponse, GenerateRequest, OutputOptions, SamplingParam
 from tests.derender_support import make_chunks
 from tests.kafka_helpers import read_topic
 from workers.client import decode_result
-from schemas.headers import HEADER_FINAL
+from schemas.headers import HEADER_FINAL, HEADER_SEQ
 from workers.kafka.reply_topics import ReplyTopicPatternError, reply_topic_rule
 
 
@@ -55,6 +55,22 @@ def test_worker_commands_refuse_a_bad_pattern_as_usage(capsys):
         main(["derender-worker", "--reply-topic-pattern", "("])
     assert exc.value.code == 2
     assert "is not a regular expression" in capsys.readouterr().err
+
+
+def test_a_refused_result_is_explained_by_what_the_broker_said():
+    from aiokafka.errors import MessageSizeTooLargeError, PolicyViolationError, TopicAuthorizationFailedError
+
+    from workers.derender.worker import refusal_message
+
+    size = refusal_message("acme.reply.t", "acme.results", MessageSizeTooLargeError(), 1000)
+    assert size.startswith("reply_topic 'acme.reply.t' refused the result as too large (MessageSizeTooLargeError)")
+    assert "max.message.bytes" in size and "--max-record-bytes is 1000" in size
+    own = refusal_message("acme.results", "acme.results", MessageSizeTooLargeError(), 1000)
+    assert own.startswith("the results topic 'acme.results' refused the result as too large")
+    denied = refusal_message("acme.reply.t", "acme.results", TopicAuthorizationFailedError("acme.reply.t"), 1000)
+    assert denied.endswith("the derender workers may not write to it")
+    other = refusal_message("acme.reply.t", "acme.results", PolicyViolationError("no"), 1000)
+    assert other.startswith("reply_topic 'acme.reply.t' refused the result (PolicyViolationError")
 
 
 # --- live workers ---------------------------------------------------------------------------
@@ -156,3 +172,85 @@ async def test_generate_refuses_a_forbidden_reply_topic_and_answers_on_the_defau
     # Nothing was written to the requests topic but our two requests.
     own = await read_topic(kafka_settings, kafka_settings.topic("requests"), until=lambda rs: len(rs) >= 2)
     assert len(own) == 2
+
+
+@pytest.mark.kafka
+async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partition_moves_on(
+        kafka_settings, make_topics, tiny_model_dir):
+    """A reply topic is the client's; one created with a record limit below a result's
+    size (`max.message.bytes`) makes the broker refuse that result. On the old code the
+    request got no answer, its chunk's offset stayed held (the partition committed no
+    further, whatever came after), and as the producer is idempotent every later result
+    for that reply topic's partition was refused too (a hole in its sequence numbers)."""
+    from aiokafka import TopicPartition
+    from aiokafka.admin import NewTopic
+    from tests.derender_support import position
+    from tests.kafka_helpers import committed_offsets
+    from tests.test_derender_worker import all_final, produce_chunks, start_worker
+    from workers.derender.state import Derenderer
+    from workers.kafka.clients import make_admin
+
+    await make_topics(kafka_settings, partitions=1)
+    small_topic = f"{kafka_settings.topic_prefix}.reply.small-records"
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(small_topic, 1, 1, topic_configs={"max.message.bytes": "2000"})])
+    finally:
+        await admin.close()
+    vocab = Derenderer(str(tiny_model_dir)).tables.size
+    ids = [100 + (7 * i) % 900 for i in range(120)]
+    assert max(ids) + 4 < vocab
+    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    # ~8.6 kB of JSON in one result: within the worker's limit (1 MB), over the topic's
+    whole = make_chunks("whole", ids, [4] * 30, positions=logprobs, prompt_tail=[1, 5], reply_topic=small_topic,
+                        output=OutputOptions(kind="completion", stream=False, top_logprobs=5))
+    # a streamed request whose second result is over it (its first may share its batch, and go with it)
+    streamed = make_chunks("streamed", ids[:42], [1, 40, 1], positions=logprobs[:42], prompt_tail=[1, 5],
+                           reply_topic=small_topic, output=OutputOptions(kind="chat", stream=True, top_logprobs=5))
+    default = make_chunks("default", ids[:3], [1, 2], prompt_tail=[1, 5])
+    # one answered there before: the broker knows the derender's producer on that partition
+    before = make_chunks("before", ids[:3], [1, 2], prompt_tail=[1, 5], reply_topic=small_topic)
+    # then, once those are answered, requests for the same reply topic partition
+    later = [make_chunks(f"later-{i}", ids[:3], [1, 2], prompt_tail=[1, 5], reply_topic=small_topic)
+             for i in range(3)]
+    chunks = before + whole + streamed + default + [chunk for request in later for chunk in request]
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, before, {"before": 0})
+        await read_topic(kafka_settings, small_topic, timeout=60, until=all_final({"before"}))
+        await produce_chunks(kafka_settings, whole + streamed + default, {"whole": 0, "streamed": 0, "default": 0})
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
+                                   until=all_final({"whole", "streamed", "default"}))
+        later_ids = {f"later-{i}" for i in range(3)}
+        await produce_chunks(kafka_settings, chunks[len(before + whole + streamed + default):],
+                             {rid: 0 for rid in later_ids})
+        replies = await read_topic(kafka_settings, small_topic, timeout=60, until=all_final(later_ids))
+        tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+
+        async def committed_past_every_chunk() -> bool:
+            committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", [tp])
+            return tp in committed and committed[tp].offset == len(chunks)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await committed_past_every_chunk():
+            assert asyncio.get_running_loop().time() < deadline, "the partition's commits stopped at a refused result"
+            await asyncio.sleep(0.2)
+        assert not task.done(), "the derender worker stopped"
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 30) == 0
+    records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
+                               until=all_final({"whole", "streamed", "default"}))
+    errors = _errors_by_request(records)
+    assert set(errors) == {"whole", "streamed"}
+    for name, error in errors.items():
+        assert error.error.type == "invalid_request_error"
+        assert error.error.message.startswith(f"derender: reply_topic {small_topic!r} refused the result as too "
+                                              f"large (MessageSizeTooLargeError): the topic's max.message.bytes "
+                                              f"must hold"), error.error.message
+    # one answer each: the error in place of the refused result, final
+    assert sorted(r.key.decode() for r in records) == ["default", "streamed", "whole"]
+    assert [HEADER_FINAL in dict(r.headers) for r in records if r.key == b"streamed"] == [True]
+    assert [r.key for r in replies if r.key in (b"whole", b"streamed")] in ([], [b"streamed"])
+    # the requests after the refused results got their answers where they asked
+    assert sorted(r.key.decode() for r in replies if r.key != b"streamed") == sorted({"before"} | later_ids)

@@ -26,6 +26,9 @@ DLQ = Counter("genpipe_dlq_records_total", "Records copied to the DLQ", ["worker
 REPLY_REFUSED = Counter("genpipe_reply_topic_refused_total",
                         "Requests answered on the default results topic because their reply_topic was "
                         "not allowed, missing or refused the record", ["worker"])
+PUBLISH_REFUSED = Counter("genpipe_publish_refused_total",
+                          "Records the broker refused for good (too large for their topic, not allowed): "
+                          "a result's request is answered with an error in its place", ["worker"])
 IN_FLIGHT = Gauge("genpipe_in_flight_requests", "Requests started and not finished", ["worker"])
 REBALANCES = Counter("genpipe_rebalances_total", "Partition assignments this worker received "
                      "(one per rebalance it took part in)", ["worker"])

@@ -13,32 +13,36 @@ partition order, publishes its outputs, and keeps the commits honest:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Callable
 
 import msgspec
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (KafkaError, MessageSizeTooLargeError, RecordListTooLargeError,
+                             TopicAuthorizationFailedError)
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
 from schemas.headers import HEADER_FINAL
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
 from workers.kafka.loop import Handler
-from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_acked
+from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release
 from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, REPLY_REFUSED, RESULTS, TOKENS,
-                             HistogramBatch, series)
+from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, PUBLISH_REFUSED, REPLY_REFUSED,
+                             RESULTS, TOKENS, HistogramBatch, series)
 
 W = "derender"  # metrics label
 
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "published="
+# Requests already answered with an error because the broker refused one of their results:
+# a later refused result of theirs (in the same batch, or sent before the first refusal was
+# known) is not answered again.
+_ANSWERED_KEPT = 10_000
 
 
 def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callable[[Output], Outgoing],
@@ -73,12 +77,61 @@ def parse_published(metadata: str | None) -> int:
     return 0
 
 
+def refusal_message(topic: str, results_topic: str, exc: BaseException, max_record_bytes: int) -> str:
+    """What a client is told when the broker refused its result for good."""
+    where = f"the results topic {topic!r}" if topic == results_topic else f"reply_topic {topic!r}"
+    name = type(exc).__name__
+    if isinstance(exc, (MessageSizeTooLargeError, RecordListTooLargeError)):
+        return (f"{where} refused the result as too large ({name}): the topic's max.message.bytes must hold "
+                f"the derender workers' largest result batch (their --max-record-bytes is {max_record_bytes})")
+    if isinstance(exc, TopicAuthorizationFailedError):
+        return f"{where} refused the result ({name}): the derender workers may not write to it"
+    return f"{where} refused the result ({name}: {exc})"
+
+
 def answer_on_default_topic(derenderer: Derenderer, result: Result, message: str) -> list[Output]:
     """`result` cannot go to its reply topic (not allowed, missing, refused): end the
     request with an `invalid_request_error` on the default results topic instead, where
     the client's library (or `genpipe tail`) still finds it by request id."""
     return [msgspec.structs.replace(o, reply_topic=None) if isinstance(o, Result) else o
             for o in derenderer.fail(result, message, "invalid_request_error", 400)]
+
+
+class _Sent:
+    """Records handed to the producer for some chunks of one partition, and what their
+    acknowledgement settles: the chunks' offsets in `published` and the holds of the
+    requests they finished. Refused for good, they go to `_answer_refused`."""
+
+    __slots__ = ("handler", "tp", "shared", "offsets", "records", "futures", "releases", "replacing")
+
+    def __init__(self, handler: DerenderHandler, tp: TopicPartition, shared: asyncio.Future | None = None,
+                 replacing: bool = False):
+        self.handler, self.tp = handler, tp
+        self.shared = shared  # the one future of all `records` (a producer batch), else `futures`
+        self.offsets: list[int] = []
+        self.records: list[Outgoing] = []
+        self.futures: list[asyncio.Future] = []
+        self.releases: list[Release] = []
+        self.replacing = replacing  # error results sent in place of refused ones
+
+    def futures_of_records(self):
+        return zip(self.records, self.futures if self.shared is None else [self.shared] * len(self.records))
+
+    def settled(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return  # (shutdown) not published: the watermark stays below, a replay publishes again
+        if future.exception() is None:
+            self.release_all()
+        else:
+            self.handler._refused.append(self)
+
+    def release_all(self) -> None:
+        tracker = self.handler.published.get(self.tp)
+        if tracker is not None:
+            for offset in self.offsets:
+                tracker.release(offset)
+        for release in self.releases:
+            release()
 
 
 class DerenderHandler(Handler):
@@ -97,6 +150,8 @@ class DerenderHandler(Handler):
         # chunk offset, request_id if the chunk finished its request); see _publish_pending.
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
+        self._refused: list[_Sent] = []  # settled with a refusal, for the next _publish_pending
+        self._answered_refused: dict[str, None] = {}  # request ids, oldest first
         # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
         self._chunks, self._tokens, self._results = series(CHUNKS, W), series(TOKENS, W), series(RESULTS, W)
         self._in_flight = series(IN_FLIGHT, W)
@@ -142,7 +197,7 @@ class DerenderHandler(Handler):
         finished = rid in self.request_start and not self.derenderer.is_active(rid)
         if replaying:
             if finished:
-                self._finish(rid, None)
+                self.request_start.pop(rid)[1]()
             return
         if records:
             published.hold(message.offset)
@@ -177,6 +232,8 @@ class DerenderHandler(Handler):
         one by one, as they may fail on their own. Called every loop turn (tick), before
         a revoke and at shutdown, and when 500 records wait."""
         self._count()
+        if self._refused:
+            await self._answer_refused()
         pending, self._pending, self._pending_records = self._pending, [], 0
         if not pending:
             return
@@ -184,31 +241,78 @@ class DerenderHandler(Handler):
                  if r.topic == self.results_topic and r.partition is not None]
         batch_futures = iter(await self.publisher.publish_batch(batch) if batch else ())
         results_topic = self.results_topic
-        # Offsets released by each batch future's ack, with one callback per future (a
-        # producer batch holds many chunks' results) rather than one per chunk.
-        by_future: dict[asyncio.Future, tuple[TopicPartition, list[int]]] = {}
+        # What each batch future's ack settles, with one callback per future (a producer
+        # batch holds many chunks' results) rather than one per chunk.
+        by_future: dict[asyncio.Future, _Sent] = {}
         for records, tp, offset, finished_rid in pending:
+            release = self.request_start.pop(finished_rid)[1] if finished_rid in self.request_start else None
             if len(records) == 1 and records[0].topic == results_topic and records[0].partition is not None:
                 acked = next(batch_futures)  # the usual chunk: one result, in a batch
-                entry = by_future.get(acked)
-                if entry is None or entry[0] != tp:
-                    if entry is not None:  # (one future per partition: not expected)
-                        acked.add_done_callback(functools.partial(self._acked_all, *entry))
-                    entry = by_future[acked] = (tp, [])
-                entry[1].append(offset)
-            else:
+                sent = by_future.get(acked)
+                if sent is None or sent.tp != tp:
+                    if sent is not None:  # (one future per partition: not expected)
+                        acked.add_done_callback(sent.settled)
+                    sent = by_future[acked] = _Sent(self, tp, acked)
+                sent.offsets.append(offset)
+                sent.records.append(records[0])
+                if release is not None:
+                    sent.releases.append(release)
+            elif records:
                 futures = [next(batch_futures) if r.topic == results_topic and r.partition is not None
                            else await self._publish(r, tp) for r in records]
-                # Released once every record of this chunk is acknowledged: a result and a cancel
-                # go to different topics, and the cancel's ack says nothing of the result's.
-                acked = None if not futures else futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-                if acked is not None:
-                    acked.add_done_callback(functools.partial(self._acked, tp, offset))
-            if finished_rid is not None and finished_rid in self.request_start:
-                self._finish(finished_rid, acked)
-        for future, (tp, offsets) in by_future.items():
-            future.add_done_callback(functools.partial(self._acked_all, tp, offsets))
+                # Settled once every record of this chunk is: a result and a cancel go to
+                # different topics, and the cancel's ack says nothing of the result's.
+                sent = _Sent(self, tp)
+                sent.offsets.append(offset)
+                sent.records, sent.futures = records, futures
+                if release is not None:
+                    sent.releases.append(release)
+                (futures[0] if len(futures) == 1 else asyncio.gather(*futures)).add_done_callback(sent.settled)
+            elif release is not None:  # a finished request whose chunk had nothing to publish
+                release()
+        for future, sent in by_future.items():
+            future.add_done_callback(sent.settled)
         self._in_flight.set(len(self.request_start))
+
+    async def _answer_refused(self) -> None:
+        """The broker refused results for good (a reply topic whose `max.message.bytes` is
+        below them, one we may no longer write to): each such request gets an error result
+        on the default results topic in place of the refused one, and the chunks' holds go
+        once that is acknowledged. Without this the request got no answer and the chunk's
+        offset stayed held: the partition committed no further (docs/design.md §5.5)."""
+        refused, self._refused = self._refused, []
+        for sent in refused:
+            replacements: list[Outgoing] = []
+            for record, future in sent.futures_of_records():
+                if not future.done() or future.cancelled() or future.exception() is None:
+                    continue
+                exc = future.exception()
+                series(PUBLISH_REFUSED, W).inc()
+                rid = record.key
+                if sent.replacing or isinstance(record.value, Cancel) or rid in self._answered_refused:
+                    log.error("request %s: %s refused %s (%r); moving on", rid, record.topic,
+                              "the error result sent in place of a refused one: the request stays unanswered"
+                              if sent.replacing else "a cancel" if isinstance(record.value, Cancel)
+                              else "a later result of a request already answered with an error", exc)
+                    continue
+                self._answered_refused[rid] = None
+                if len(self._answered_refused) > _ANSWERED_KEPT:
+                    del self._answered_refused[next(iter(self._answered_refused))]
+                message = refusal_message(record.topic, self.results_topic, exc, self.publisher.max_record_bytes)
+                log.warning("request %s: %s; answering on %s", rid, message, self.results_topic)
+                if record.topic != self.results_topic:
+                    series(REPLY_REFUSED, W).inc()
+                final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)
+                result = Result(rid, record.topic, record.value, record.headers, final)
+                replacements.extend(self._outgoing(o, sent.tp)
+                                    for o in answer_on_default_topic(self.derenderer, result, message))
+            if not replacements:
+                sent.release_all()
+                continue
+            answer = _Sent(self, sent.tp, replacing=True)
+            answer.offsets, answer.releases, answer.records = sent.offsets, sent.releases, replacements
+            futures = answer.futures = [await self.publisher.publish(record) for record in replacements]
+            (futures[0] if len(futures) == 1 else asyncio.gather(*futures)).add_done_callback(answer.settled)
 
     async def tick(self) -> None:
         await self._publish_pending()
@@ -264,28 +368,6 @@ class DerenderHandler(Handler):
         # then falls back to key hashing).
         return Outgoing(output.reply_topic or self.results_topic, output.request_id, output.value, JSON,
                         headers=output.headers, partition=tp.partition)
-
-    def _acked(self, tp: TopicPartition, offset: int, future) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return  # not published: keep the watermark below it, so a replay publishes again
-        tracker = self.published.get(tp)
-        if tracker is not None:
-            tracker.release(offset)
-
-    def _acked_all(self, tp: TopicPartition, offsets: list[int], future) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return  # as _acked
-        tracker = self.published.get(tp)
-        if tracker is not None:
-            for offset in offsets:
-                tracker.release(offset)
-
-    def _finish(self, request_id: str, last_future) -> None:
-        _, release = self.request_start.pop(request_id)
-        if last_future is None:
-            release()
-        else:
-            release_when_acked(last_future, release)
 
     # --- loop hooks ----------------------------------------------------------------------
 

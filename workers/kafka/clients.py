@@ -20,6 +20,7 @@ import math
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import errors as Errors
 from aiokafka.errors import KafkaConnectionError
 
 from workers.kafka.settings import KafkaSettings
@@ -37,6 +38,7 @@ def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
     producer = AIOKafkaProducer(**settings.client_kwargs(), **options)
     if options["enable_idempotence"]:
         keep_batches_until_sent(producer)
+        rewind_sequences_of_refused_batches(producer)
     return producer
 
 
@@ -62,6 +64,61 @@ def keep_batches_until_sent(producer: AIOKafkaProducer) -> None:
             "30 s may be lost")
         return
     accumulator._batch_ttl = math.inf
+
+
+# The broker's answers that mean it did not append the batch and never will: its content is
+# refused (too large for the topic, a record it rejects, a policy), or the producer may not
+# write there. Only these rewind: a batch that may have been appended (a timeout, a lost
+# connection) is retried by aiokafka, never failed, while the producer is idempotent.
+_REFUSED_FOR_GOOD = (Errors.MessageSizeTooLargeError, Errors.RecordListTooLargeError,
+                     Errors.TopicAuthorizationFailedError, Errors.PolicyViolationError,
+                     Errors.InvalidTimestampError, Errors.UnsupportedForMessageFormatError)
+
+
+def rewind_sequences_of_refused_batches(producer: AIOKafkaProducer) -> None:
+    """After the broker refuses a batch for good, number the partition's next batch as if
+    the refused one had never been sent.
+
+    An idempotent producer numbers each partition's records when a batch leaves its queue.
+    aiokafka keeps the numbers of a batch the broker refused, so the broker, which appended
+    nothing, finds a hole and refuses every later batch of this producer to that partition
+    (OutOfOrderSequenceNumber) until the process restarts. One result over a reply topic's
+    `max.message.bytes` made that reply topic's partition refuse every later result of the
+    derender worker (tests/test_reply_topics.py). Java's producer rewinds the same way.
+    aiokafka sends one request at a time to a broker, so when a batch fails no later batch
+    of its partition has been numbered; if one has (its leader moved meanwhile), nothing
+    is rewound and it says so."""
+    accumulator = getattr(producer, "_message_accumulator", None)
+    txn = getattr(accumulator, "_txn_manager", None)
+    pop_batch = getattr(accumulator, "_pop_batch", None)
+    if txn is None or pop_batch is None or not isinstance(getattr(txn, "_sequence_numbers", None), dict):
+        # (tests/test_kafka_plumbing.py fails on an aiokafka where this no longer holds)
+        logging.getLogger(__name__).warning(
+            "this aiokafka's producer cannot be rewound: after the broker refuses a batch (a record over a "
+            "topic's max.message.bytes), it refuses every later one to that partition until a restart")
+        return
+    numbers = txn._sequence_numbers
+
+    def numbered_pop_batch(tp):
+        before = numbers[tp]
+        batch = pop_batch(tp)
+        after = numbers[tp]
+        if after != before:  # numbered now (a retried batch keeps its numbers)
+            batch.future.add_done_callback(lambda f: _rewind(f, tp, before, after))
+        return batch
+
+    def _rewind(future, tp, start: int, end: int) -> None:
+        if future.cancelled() or not isinstance(future.exception(), _REFUSED_FOR_GOOD):
+            return
+        if numbers[tp] == end:
+            numbers[tp] = start
+        else:
+            logging.getLogger(__name__).warning(
+                "%s: a refused batch left a hole in the producer's sequence numbers that cannot be closed "
+                "(later records were numbered meanwhile): the broker refuses this partition's next records "
+                "from this process", tp)
+
+    accumulator._pop_batch = numbered_pop_batch
 
 
 def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, **overrides) -> AIOKafkaConsumer:
