@@ -11,3 +11,4 @@ HEADER_DLQ_PARTITION = "genpipe-dlq-source-partition"
 HEADER_DLQ_OFFSET = "genpipe-dlq-source-offset"
 HEADER_DLQ_ERROR = "genpipe-dlq-error"
 HEADER_DLQ_TIME = "genpipe-dlq-time-ms"
+HEADER_DLQ_CUT = "genpipe-dlq-cut"  # the copy was cut to fit the record limit: what the original held

@@ -308,6 +308,75 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
     assert dlq[0].value == b"\xc1\xc1 not a record" and dict(dlq[0].headers)[HEADER_DLQ_OFFSET] == b"2"
 
 
+async def test_garbage_just_under_the_topics_limit_is_copied_to_the_dlq_cut_and_the_partition_moves_on(
+        kafka_settings, make_topics, engine):
+    """The DLQ copy of a record just under its topic's limit (Kafka's default, 1 MB) is
+    bigger than the record (our headers): the broker refused it, and the worker held the
+    record's offset for good, so the partition committed no further (on the old code the
+    committed offset stayed at 0). The copy is now cut to fit, and says so."""
+    from schemas.headers import HEADER_DLQ_CUT, HEADER_DLQ_ERROR
+
+    await make_topics(kafka_settings, partitions=1)
+    garbage = b"\xc1" * 1_048_000
+    good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [(b"garbage", garbage, [("content-type", b"application/msgpack"),
+                                                              ("x-trace", b"t" * 300)]), request_record(good)])
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"good"}))
+        dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 1)
+        tp = TopicPartition(kafka_settings.topic("requests"), 0)
+        deadline = time.monotonic() + 30
+        while (await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen", [tp]))[tp].offset != 2:
+            assert time.monotonic() < deadline, "the partition's commits stopped at the record the DLQ refused"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    (copy,) = dlq
+    headers = dict(copy.headers)
+    assert copy.key == b"garbage" and 900_000 < len(copy.value) < len(garbage) and garbage.startswith(copy.value)
+    assert headers[HEADER_DLQ_OFFSET] == b"0" and b"not a valid msgpack record" in headers[HEADER_DLQ_ERROR]
+    assert headers[HEADER_DLQ_CUT].decode().startswith(
+        "key 7 bytes, value 1048000 bytes, 2 headers (338 bytes): cut to fit the record limit of 1000000 bytes")
+    # the original headers were a small part of the room: kept
+    assert headers["x-trace"] == b"t" * 300 and copy.value + b"" != garbage
+
+
+async def test_a_dlq_that_refuses_the_copy_does_not_hold_the_partition(kafka_settings, make_topics, engine, caplog):
+    """A DLQ topic whose own limit is below the copy (an operator's setting) refuses it
+    whatever the worker does: the worker says where the record is and commits past it,
+    rather than hold the partition's commits for good."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from workers.kafka.clients import make_admin
+
+    await make_topics(kafka_settings, partitions=1)
+    admin = make_admin(kafka_settings)
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, kafka_settings.topic("dlq"),
+                                                  configs={"max.message.bytes": "2000"})])
+    finally:
+        await admin.close()
+    good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [(b"garbage", b"\xc1" * 5000, [("content-type", b"application/msgpack")]),
+                                       request_record(good)])
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"good"}))
+        tp = TopicPartition(kafka_settings.topic("requests"), 0)
+        deadline = time.monotonic() + 30
+        while (await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen", [tp]))[tp].offset != 2:
+            assert time.monotonic() < deadline, "the partition's commits stopped at the record the DLQ refused"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    assert (f"the DLQ refused the copy of {kafka_settings.topic('requests')}[0]@0 (MessageSizeTooLargeError()): "
+            f"the record is only at its source offset") in caplog.text
+
+
 async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_topics, engine):
     await make_topics(kafka_settings, partitions=1)
     long = GenerateRequest(request_id="long", prompt_token_ids=[1, 7],

@@ -94,3 +94,43 @@ def test_unreadable_metadata_means_nothing_is_skipped():
         assert len(decode_finished(100, text)) == 0
         assert not decode_finished(100, text).finished(101)
     assert not decode_finished(None, f"{FINISHED_PREFIX}5:0").finished(1)
+
+
+# --- the DLQ copy of a refused record (workers/kafka/records.py) ------------------------------
+
+
+class _Refused:
+    topic, partition, offset = "p.requests", 3, 17
+
+    def __init__(self, key, value, headers):
+        self.key, self.value, self.headers = key, value, headers
+
+
+def _size(key, value, headers) -> int:
+    return len(key or b"") + len(value or b"") + sum(len(n) + len(v) for n, v in headers)
+
+
+def test_a_dlq_copy_that_fits_keeps_the_record_whole():
+    from workers.kafka.records import dlq_copy
+
+    key, value, headers = dlq_copy(_Refused(b"k", b"\xc1" * 100, [("x", b"1")]), "not msgpack", 10_000)
+    assert key == b"k" and value == b"\xc1" * 100 and headers[0] == ("x", b"1")
+    assert dict(headers)["genpipe-dlq-source-offset"] == b"17" and "genpipe-dlq-cut" not in dict(headers)
+
+
+def test_a_dlq_copy_over_the_limit_is_cut_to_fit_and_says_what_the_original_held():
+    from workers.kafka.records import dlq_copy
+
+    # the value goes first; small original headers stay
+    key, value, headers = dlq_copy(_Refused(b"k", b"v" * 5000, [("x", b"1")]), "bad", 2000)
+    assert _size(key, value, headers) <= 2000 and key == b"k" and b"v" * 5000 != value and value.startswith(b"vvv")
+    assert dict(headers)["x"] == b"1"
+    assert dict(headers)["genpipe-dlq-cut"].decode().startswith(
+        "key 1 bytes, value 5000 bytes, 1 headers (2 bytes): cut to fit the record limit of 2000 bytes")
+    # hostile headers and key do not crowd the value out: headers dropped, key cut to a quarter
+    key, value, headers = dlq_copy(_Refused(b"k" * 5000, b"v" * 5000, [("x", b"h" * 5000)]), "bad", 2000)
+    assert _size(key, value, headers) <= 2000 and "x" not in dict(headers)
+    assert 0 < len(key) < len(value) and dict(headers)["genpipe-dlq-source-topic"] == b"p.requests"
+    # no key, no value: still a copy with its coordinates
+    key, value, headers = dlq_copy(_Refused(None, None, [("x", b"h" * 5000)]), "bad", 2000)
+    assert key is None and value is None and _size(key, value, headers) <= 2000

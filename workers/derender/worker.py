@@ -26,7 +26,7 @@ from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordE
 from schemas.headers import HEADER_FINAL
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
 from workers.kafka.loop import Handler
-from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release
+from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_settled
 from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
@@ -178,8 +178,7 @@ class DerenderHandler(Handler):
             series(DLQ, W).inc()
             if message.offset >= self.publish_from.get(tp, 0):
                 release = self.offsets.hold(message)
-                future = await self.publisher.to_dlq(message, str(exc))
-                future.add_done_callback(lambda f: release())
+                release_when_settled(await self.publisher.to_dlq(message, str(exc)), release)
             return
         self._counts[0] += 1
         self._counts[1] += len(chunk.token_ids)

@@ -26,7 +26,7 @@ from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFligh
 from workers.generate.outputs import StepOutputs
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
-                                   release_when_acked)
+                                   release_when_acked, release_when_settled)
 from workers.kafka.publisher import REBALANCE_WAIT_S, Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
@@ -162,7 +162,7 @@ class GenerateHandler(Handler):
 
     async def _to_dlq(self, message, release: Release, error: str) -> None:
         series(DLQ, W).inc()
-        release_when_acked(await self.publisher.to_dlq(message, error), release)
+        release_when_settled(await self.publisher.to_dlq(message, error), release)
 
     async def _reject(self, state: InFlight, error: str) -> None:
         series(REQUESTS, W, "invalid").inc()

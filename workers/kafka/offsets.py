@@ -111,6 +111,16 @@ def release_when_acked(future: asyncio.Future, release: Release) -> None:
     future.add_done_callback(done)
 
 
+def release_when_settled(future: asyncio.Future, release: Release) -> None:
+    """Release once the broker answered, acknowledged or refused for good: for a DLQ copy,
+    whose refusal is logged (`Publisher.to_dlq`) and must not hold the partition's commits
+    for good. Not when cancelled (shutdown): the partition's next owner copies it again."""
+    def done(f: asyncio.Future) -> None:
+        if not f.cancelled():
+            release()
+    future.add_done_callback(done)
+
+
 # --- work finished beyond the committed offset ---------------------------------------------
 #
 # A worker that finishes requests out of order (the generate worker admits by priority)

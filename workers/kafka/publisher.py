@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Collection
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
-from workers.kafka.records import Outgoing, dlq_headers
+from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,18 @@ class Publisher:
             futures[i] = future
 
     async def to_dlq(self, message, error: str) -> asyncio.Future:
-        """Copy a refused record to the DLQ: original key and bytes, source coordinates, error."""
+        """Copy a refused record to the DLQ: original key and bytes, source coordinates,
+        error; cut to fit the record limit (`dlq_copy`). Whichever way the future ends, the
+        record's offset may be released: a copy the broker refuses anyway is logged with
+        the record's coordinates, and must not hold its partition's commits for good."""
         log.warning("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
+        key, value, headers = dlq_copy(message, error, self.max_record_bytes)
         future = await self._enqueue(self.dlq_topic, None, lambda: self.producer.send(
-            self.dlq_topic, message.value, key=message.key, headers=dlq_headers(message, error)))
+            self.dlq_topic, value, key=key, headers=headers))
         self._track(future)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "the DLQ refused the copy of %s[%d]@%d (%r): the record is only at its source offset, while the "
+            "topic's retention keeps it", message.topic, message.partition, message.offset, f.exception()))
         return future
 
     async def _enqueue(self, topic: str, partition: int | None,

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from schemas import MSGPACK, Headers, decode_record, encode, headers_for
-from schemas.headers import (HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION, HEADER_DLQ_TIME,
-                             HEADER_DLQ_TOPIC)
+from schemas.headers import (HEADER_DLQ_CUT, HEADER_DLQ_ERROR, HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION,
+                             HEADER_DLQ_TIME, HEADER_DLQ_TOPIC)
 
 
 
@@ -70,14 +70,43 @@ def message_key(message) -> str | None:
     return message.key.decode("utf-8", "replace") if message.key is not None else None
 
 
-def dlq_headers(message, error: str) -> Headers:
-    """The original headers plus where the record came from and why it was refused."""
-    headers = list(message.headers or ())
-    headers += [
+def dlq_copy(message, error: str, limit: int) -> tuple[bytes | None, bytes | None, Headers]:
+    """The DLQ record (key, value, headers) for a refused `message`: its own key, bytes and
+    headers, plus where it came from and why it was refused.
+
+    A record just under its topic's limit grows past it with our headers, and the broker
+    refused the copy: the generate worker then held the record's offset for good (its
+    partition committed no further), the derender lost the copy. So a copy over `limit`
+    is cut to fit: the original headers go if they take more than a quarter of the room,
+    the key is cut to a quarter, the value to what is left, and HEADER_DLQ_CUT says what
+    the original held. The whole record stays at its source offset while the topic's
+    retention keeps it."""
+    original = list(message.headers or ())
+    ours = [
         (HEADER_DLQ_TOPIC, message.topic.encode()),
         (HEADER_DLQ_PARTITION, str(message.partition).encode()),
         (HEADER_DLQ_OFFSET, str(message.offset).encode()),
         (HEADER_DLQ_ERROR, error.encode("utf-8", "replace")[:4096]),
         (HEADER_DLQ_TIME, str(int(time.time() * 1000)).encode()),
     ]
-    return headers
+    key, value = message.key, message.value
+    key_size, value_size = len(key or b""), len(value or b"")
+    original_size = _headers_size(original)
+    if key_size + value_size + original_size + _headers_size(ours) <= limit:
+        return key, value, original + ours
+    ours.append((HEADER_DLQ_CUT, (f"key {key_size} bytes, value {value_size} bytes, {len(original)} headers "
+                                  f"({original_size} bytes): cut to fit the record limit of {limit} bytes").encode()))
+    room = max(0, limit - _headers_size(ours))
+    if original_size > room // 4:
+        original = []
+    room -= _headers_size(original)
+    if key is not None:
+        key = key[:room // 4]
+        room -= len(key)
+    if value is not None:
+        value = value[:room]
+    return key, value, original + ours
+
+
+def _headers_size(headers: Headers) -> int:
+    return sum(len(name) + len(value or b"") for name, value in headers)
