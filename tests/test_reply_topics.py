@@ -11,7 +11,7 @@ from schemas import ErrorResponse, GenerateRequest, OutputOptions, SamplingParam
 from tests.derender_support import make_chunks
 from tests.kafka_helpers import read_topic
 from workers.client import decode_result
-from schemas.headers import HEADER_FINAL, HEADER_SEQ
+from schemas.headers import HEADER_FINAL
 from workers.kafka.reply_topics import ReplyTopicPatternError, reply_topic_rule
 
 
