@@ -108,7 +108,7 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
     send timeout, in OpenAI's error shape, instead of hanging on the producer's retries;
     and it stops when told to, though its producer still holds the refused records
     (aiokafka's stop() waited for the broker to take them: the client's close() now waits
-    at most CLOSE_WAIT_S, workers/client.py)."""
+    at most CLOSE_WAIT_S, workers/client.py), leaving nothing behind."""
     import httpx
 
     from tests.test_gateway import serving_gateway
@@ -138,6 +138,10 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
                         events.append(json.loads(line[len("data: "):]))
             assert len(events) == 1 and events[0]["error"]["code"] == 503  # the stream says why, and ends
         # (serving_gateway's exit waits at most 30 s for the gateway to stop, Kafka still down)
+        # and nothing of its producer is left waiting for Kafka (aiokafka's accumulator close
+        # task stayed pending for good: workers/kafka/clients.py `stop_producer`)
+        left = [task for task in asyncio.all_tasks() if "MessageAccumulator.close" in repr(task.get_coro())]
+        assert not left, left
     finally:
         await asyncio.to_thread(local.broker_down, port=DOWN_PORT, data_dir=data_dir)
 

@@ -275,6 +275,29 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
           f"restarts seen {sum(r for _, r in done)}")
 
 
+async def test_a_client_started_while_a_partition_of_its_reply_topic_has_no_leader_says_why(cluster):
+    """A client needs every partition of its reply topic to find where to read from. With
+    one without a leader (one replica, its broker away) it failed after the consumer's
+    request timeout with aiokafka's bare "KafkaTimeoutError: Failed to get offsets by
+    times in 40000 ms"; it now raises GenpipeUnavailable, which says what to check (the
+    gateway answers 503 with it, a caller catches it with the other unavailable cases)."""
+    from workers.results import GenpipeUnavailable
+
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    await create_topics(settings, partitions=2, replication_factor=1)
+    victim = (await _leaders(settings, settings.topic("results")))[0]
+    await asyncio.to_thread(node_down, cluster, victim, kill=True)
+    try:
+        with pytest.raises(GenpipeUnavailable) as raised:
+            async with GenpipeClient(settings=settings):
+                pass
+    finally:
+        await asyncio.to_thread(node_up, cluster, victim)
+    message = str(raised.value)
+    assert message.startswith(f"genpipe client: could not find where to read {settings.topic('results')} from (")
+    assert "does every partition of it have a leader?" in message
+
+
 def _assert_uninterrupted(model_dir, requests, done: list[tuple[str, int]]) -> None:
     """Each request's last attempt reads as the same request run without any failure."""
     expected = uninterrupted_texts(model_dir, requests)

@@ -108,6 +108,8 @@ class GenpipeClient:
         await self.close()
 
     async def start(self) -> None:
+        from aiokafka.errors import KafkaTimeoutError
+
         from workers.kafka.clients import make_consumer, make_producer, start_client
         from workers.kafka.follow import assign_all
 
@@ -125,10 +127,15 @@ class GenpipeClient:
             # Positions are resolved before this returns: every record produced from
             # here on is seen, whatever the clocks say.
             await assign_all(consumer, self.reply_topic, since, timeout_s=30.0)
-        except BaseException:
+        except BaseException as exc:
             if consumer is not None:
                 await consumer.stop()
             await producer.stop()
+            if isinstance(exc, KafkaTimeoutError):  # (a library's start does not wait like a worker's)
+                raise GenpipeUnavailable(
+                    f"genpipe client: could not find where to read {self.reply_topic} from ({exc}): does every "
+                    f"partition of it have a leader? (a broker of the cluster may be away; try again once it "
+                    f"is back)") from exc
             raise
         self._producer, self._consumer = producer, consumer
         self._closed = None
@@ -147,7 +154,9 @@ class GenpipeClient:
                 await _stop(consumer)
         finally:
             if producer is not None:
-                await _stop_producer(producer, CLOSE_WAIT_S)
+                from workers.kafka.clients import stop_producer
+
+                await stop_producer(producer, CLOSE_WAIT_S, "genpipe client")
 
     def _fail_waiting(self, error: BaseException | None) -> None:
         self._closed = _Closed(error)
@@ -367,25 +376,6 @@ async def _stop(kafka_client) -> None:
         if task is not None and task.cancelling():
             raise
         log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
-
-
-async def _stop_producer(producer, timeout_s: float) -> None:
-    """Stop the producer, waiting at most `timeout_s` for Kafka to acknowledge what it holds.
-
-    aiokafka's stop() first waits for every record it holds, however long the broker (or a
-    partition's leader: workers/kafka/clients.py `keep_batches_until_sent`) is away, and a
-    gateway told to stop while Kafka was down never stopped. Past the bound the records
-    are dropped; none was acknowledged, so each send that holds one raises
-    GenpipeUnavailable (or already did): no caller is told a record went that did not."""
-    from workers.kafka.clients import wait_at_most
-
-    if not await wait_at_most(producer.flush(), timeout_s, "genpipe client: records not acknowledged",
-                              "closing without them"):
-        # stop() waits for its flush or for the sender's task to end, whichever comes first.
-        sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
-        if sender_task is not None:
-            sender_task.cancel()
-    await _stop(producer)
 
 
 def _error_info(message: str) -> ErrorInfo:

@@ -117,13 +117,20 @@ class _Sent:
     def futures_of_records(self):
         return zip(self.records, self.futures if self.shared is None else [self.shared] * len(self.records))
 
-    def settled(self, future: asyncio.Future) -> None:
-        if future.cancelled():
+    def settled(self, _: asyncio.Future) -> None:
+        """Called once every future has its answer (`when_settled`)."""
+        futures = self.futures if self.shared is None else (self.shared,)
+        if any(f.cancelled() for f in futures):
             return  # (shutdown) not published: the watermark stays below, a replay publishes again
-        if future.exception() is None:
+        if all(f.exception() is None for f in futures):
             self.release_all()
         else:
             self.handler._refused.append(self)
+
+    def when_settled(self) -> None:
+        futures = self.futures
+        (futures[0] if len(futures) == 1 else asyncio.gather(*futures, return_exceptions=True)).add_done_callback(
+            self.settled)
 
     def release_all(self) -> None:
         tracker = self.handler.published.get(self.tp)
@@ -266,7 +273,7 @@ class DerenderHandler(Handler):
                 sent.records, sent.futures = records, futures
                 if release is not None:
                     sent.releases.append(release)
-                (futures[0] if len(futures) == 1 else asyncio.gather(*futures)).add_done_callback(sent.settled)
+                sent.when_settled()
             elif release is not None:  # a finished request whose chunk had nothing to publish
                 release()
         for future, sent in by_future.items():
@@ -283,7 +290,7 @@ class DerenderHandler(Handler):
         for sent in refused:
             replacements: list[Outgoing] = []
             for record, future in sent.futures_of_records():
-                if not future.done() or future.cancelled() or future.exception() is None:
+                if future.cancelled() or future.exception() is None:
                     continue
                 exc = future.exception()
                 series(PUBLISH_REFUSED, W).inc()
@@ -310,8 +317,8 @@ class DerenderHandler(Handler):
                 continue
             answer = _Sent(self, sent.tp, replacing=True)
             answer.offsets, answer.releases, answer.records = sent.offsets, sent.releases, replacements
-            futures = answer.futures = [await self.publisher.publish(record) for record in replacements]
-            (futures[0] if len(futures) == 1 else asyncio.gather(*futures)).add_done_callback(answer.settled)
+            answer.futures = [await self.publisher.publish(record) for record in replacements]
+            answer.when_settled()
 
     async def tick(self) -> None:
         await self._publish_pending()

@@ -21,7 +21,7 @@ import math
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka import errors as Errors
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 
 from workers.kafka.settings import KafkaSettings
 
@@ -218,3 +218,32 @@ async def wait_at_most(awaitable, timeout_s: float, not_done: str, then: str) ->
         logging.getLogger(__name__).warning("%s within %.0f s (is the broker reachable?): %s",
                                             not_done, timeout_s, then)
         return False
+
+
+async def stop_producer(producer: AIOKafkaProducer, timeout_s: float, who: str) -> bool:
+    """Stop `producer`, waiting at most `timeout_s` for Kafka to acknowledge the records it
+    holds; True when it did.
+
+    aiokafka's stop() first waits for every record it holds, however long the broker (or a
+    partition's leader: `keep_batches_until_sent`) is away, and a worker or a gateway told
+    to stop never stopped (docs/design.md §7). Past the bound the producer's sender is
+    stopped and the records it still holds fail with KafkaTimeoutError. None of them was
+    acknowledged: a worker did not commit the work they carried (the partitions' next
+    owner redoes it), and a client's send that held one raises GenpipeUnavailable. (The
+    workers used to cancel stop() itself instead, which left the sender running, and the
+    client left the accumulator's close task waiting for good.)"""
+    if await wait_at_most(producer.flush(), timeout_s, f"{who}: records not acknowledged", "stopping without them"):
+        await producer.stop()
+        return True
+    sender_task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+    if sender_task is not None:
+        # Ended before the records fail: stop() awaits a sender still running, and then
+        # re-raised its cancellation (the worker exited 1).
+        sender_task.cancel()
+        await asyncio.wait([sender_task], timeout=timeout_s)
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if accumulator is not None:
+        accumulator.fail_all(KafkaTimeoutError(f"not acknowledged within {timeout_s:g} s: dropped as the producer "
+                                               f"stopped"))
+    await wait_at_most(producer.stop(), timeout_s, f"{who}: producer not stopped", "leaving it")
+    return False

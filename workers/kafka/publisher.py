@@ -210,7 +210,8 @@ class Publisher:
         self.in_flight -= records
         if future.cancelled() or future.exception() is not None:
             self.failed += records
-            log.error("publish failed: %s", "cancelled" if future.cancelled() else future.exception())
+            if not self.stuck:  # (a shutdown that gave up on the broker said so once: flush_at_shutdown)
+                log.error("publish failed: %s", "cancelled" if future.cancelled() else future.exception())
         else:
             self.published += records
 

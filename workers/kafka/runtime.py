@@ -12,7 +12,7 @@ import logging
 import signal
 from typing import Awaitable, Callable, Sequence
 
-from workers.kafka.clients import KafkaUnreachable, make_producer, start_client, wait_at_most
+from workers.kafka.clients import KafkaUnreachable, make_producer, start_client, stop_producer
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import MAX_RECORD_BYTES, SHUTDOWN_WAIT_S, Publisher, request_size_for
@@ -100,8 +100,7 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
         for task in tasks + ([ready_task] if ready_task else []):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # (it flushes first: what a stuck flush left was not committed, Publisher.flush_at_shutdown)
-        await wait_at_most(producer.stop(), 1.0 if publisher.stuck else SHUTDOWN_WAIT_S, "producer not stopped",
-                           "leaving it")
+        # (what a stuck flush left was not committed: Publisher.flush_at_shutdown)
+        await stop_producer(producer, 1.0 if publisher.stuck else SHUTDOWN_WAIT_S, f"{worker} worker")
         for sig in installed:
             loop.remove_signal_handler(sig)
