@@ -88,3 +88,43 @@ async def read_to_end(settings: KafkaSettings, topic: str, timeout: float = 60.0
     finally:
         await consumer.stop()
     return records
+
+
+async def wait_for_commit(settings: KafkaSettings, group: str, tp, offset: int, timeout: float = 30.0,
+                          what: str = "the commit") -> None:
+    """Wait until `group` has committed `offset` on `tp` (workers commit every few seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        committed = (await committed_offsets(settings, group, [tp])).get(tp)
+        if committed is not None and committed.offset == offset:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: {group} committed {committed} on {tp} after {timeout}s, not {offset}")
+        await asyncio.sleep(0.2)
+
+
+async def create_topic(settings: KafkaSettings, name: str, partitions: int = 1,
+                       max_message_bytes: int | None = None) -> None:
+    """One topic beside a deployment's six (a reply topic), optionally with its own record limit."""
+    from aiokafka.admin import NewTopic
+
+    configs = {"max.message.bytes": str(max_message_bytes)} if max_message_bytes is not None else {}
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs)])
+    finally:
+        await admin.close()
+
+
+async def set_max_message_bytes(settings: KafkaSettings, topic: str, limit: int) -> None:
+    """Change a topic's record limit (an operator's `kafka-configs --alter`)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                                  configs={"max.message.bytes": str(limit)})])
+    finally:
+        await admin.close()

@@ -251,18 +251,12 @@ async def test_a_batch_the_broker_refuses_does_not_make_it_refuse_the_partitions
     numbers stayed counted), until the process restarted (workers/kafka/clients.py
     `rewind_sequences_of_refused_batches`). The next records are queued while the refused
     batch is on its way, so the rewind must come before they are numbered."""
-    from aiokafka.admin import NewTopic
     from aiokafka.errors import MessageSizeTooLargeError
 
-    from workers.kafka.clients import make_admin
+    from tests.kafka_helpers import create_topic
 
     topic = f"{kafka_settings.topic_prefix}.small-records"
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "2000"})])
-    finally:
-        await admin.close()
+    await create_topic(kafka_settings, topic, max_message_bytes=2000)
     producer = make_producer(kafka_settings)
     await producer.start()
     tp = TopicPartition(topic, 0)

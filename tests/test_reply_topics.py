@@ -183,21 +183,14 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
     further, whatever came after), and as the producer is idempotent every later result
     for that reply topic's partition was refused too (a hole in its sequence numbers)."""
     from aiokafka import TopicPartition
-    from aiokafka.admin import NewTopic
     from tests.derender_support import position
-    from tests.kafka_helpers import committed_offsets
+    from tests.kafka_helpers import create_topic, wait_for_commit
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
     from workers.derender.state import Derenderer
-    from workers.kafka.clients import make_admin
 
     await make_topics(kafka_settings, partitions=1)
     small_topic = f"{kafka_settings.topic_prefix}.reply.small-records"
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(small_topic, 1, 1, topic_configs={"max.message.bytes": "2000"})])
-    finally:
-        await admin.close()
+    await create_topic(kafka_settings, small_topic, max_message_bytes=2000)
     vocab = Derenderer(str(tiny_model_dir)).tables.size
     ids = [100 + (7 * i) % 900 for i in range(120)]
     assert max(ids) + 4 < vocab
@@ -226,15 +219,9 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
         await produce_chunks(kafka_settings, chunks[len(before + whole + streamed + default):],
                              {rid: 0 for rid in later_ids})
         replies = await read_topic(kafka_settings, small_topic, timeout=60, until=all_final(later_ids))
-        tp = TopicPartition(kafka_settings.topic("chunks"), 0)
-
-        async def committed_past_every_chunk() -> bool:
-            committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", [tp])
-            return tp in committed and committed[tp].offset == len(chunks)
-        deadline = asyncio.get_running_loop().time() + 30
-        while not await committed_past_every_chunk():
-            assert asyncio.get_running_loop().time() < deadline, "the partition's commits stopped at a refused result"
-            await asyncio.sleep(0.2)
+        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
+                              TopicPartition(kafka_settings.topic("chunks"), 0), len(chunks),
+                              what="the partition's commits stopped at a refused result")
         assert not task.done(), "the derender worker stopped"
     finally:
         stop.set()
@@ -254,3 +241,55 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
     assert [r.key for r in replies if r.key in (b"whole", b"streamed")] in ([], [b"streamed"])
     # the requests after the refused results got their answers where they asked
     assert sorted(r.key.decode() for r in replies if r.key != b"streamed") == sorted({"before"} | later_ids)
+
+
+@pytest.mark.kafka
+async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_and_the_partition_moves_on(
+        kafka_settings, make_topics, tiny_model_dir, monkeypatch):
+    """Results for a reply topic its client deleted while they were on their way waited in
+    the producer for good (it never expires a batch), and the chunk's offset with them: the
+    partition committed no further, and the worker's stop waited out its bound. They now
+    fail once the topic has been missing from the metadata for DELETED_TOPIC_WAIT_S (2 s
+    here), and the request gets an error on the default topic like any refused result.
+    Results handled after the worker saw the topic go were worse: each publish waited 30 s
+    in aiokafka (the whole loop with it) before it failed."""
+    from aiokafka import TopicPartition
+
+    from tests.kafka_helpers import create_topic, wait_for_commit
+    from tests.test_derender_worker import all_final, produce_chunks, start_worker
+    from workers.kafka.clients import make_admin
+
+    monkeypatch.setattr("workers.kafka.publisher.DELETED_TOPIC_WAIT_S", 2.0)
+    await make_topics(kafka_settings, partitions=1)
+    doomed = f"{kafka_settings.topic_prefix}.reply.doomed"
+    await create_topic(kafka_settings, doomed)
+    stream = OutputOptions(kind="completion", stream=True)
+    long = make_chunks("long", [5, 6, 7, 8, 9, 10], output=stream, prompt_tail=[1], reply_topic=doomed)
+    after = make_chunks("after", [5, 6], [1, 1], prompt_tail=[1])
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, long[:2], {"long": 0})
+        await read_topic(kafka_settings, doomed, until=lambda rs: len(rs) >= 2)
+        admin = make_admin(kafka_settings)
+        await admin.start()
+        try:
+            await admin.delete_topics([doomed])
+        finally:
+            await admin.close()
+        await produce_chunks(kafka_settings, long[2:] + after, {"long": 0, "after": 0})
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
+                                   until=all_final({"long", "after"}))
+        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
+                              TopicPartition(kafka_settings.topic("chunks"), 0), len(long + after),
+                              what="the partition's commits stopped at results for a deleted topic")
+        assert not task.done(), "the derender worker stopped"
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 30) == 0
+    (error,) = _errors_by_request(records).values()
+    assert error.error.type == "invalid_request_error"
+    # queued before the worker saw the topic go ("was deleted"), or handled after ("does not exist")
+    message = error.error.message
+    assert message.startswith("derender: ") and repr(doomed) in message, message
+    assert "was deleted while the result was on its way to it" in message or "does not exist" in message, message
+    assert [r.key for r in records if HEADER_FINAL in dict(r.headers)].count(b"long") == 1

@@ -101,3 +101,40 @@ def test_a_worker_whose_topics_do_not_exist_says_so_at_start(kafka_settings, tin
         f"genpipe derender-worker: error: topics {p}.chunks, {p}.results, {p}.cancel, {p}.dlq "
         f"do not exist on {kafka_settings.bootstrap_servers} (or this worker may not see them): create them "
         f"with `genpipe topics create --topic-prefix {p}`"]
+
+
+@pytest.mark.kafka
+def test_a_worker_whose_topic_refuses_its_largest_records_says_so_at_start(kafka_settings, make_topics,
+                                                                           tiny_model_dir, capsys):
+    """A results topic (or chunks, or DLQ) whose max.message.bytes is below what the worker
+    writes there refuses those records for good, mid-stream: said at start instead."""
+    import asyncio
+
+    from tests.kafka_helpers import set_max_message_bytes
+
+    async def prepare():
+        await make_topics(kafka_settings, partitions=1)
+        await set_max_message_bytes(kafka_settings, kafka_settings.topic("results"), 400_000)
+
+    asyncio.run(prepare())
+    common = ["derender-worker", "--bootstrap-servers", kafka_settings.bootstrap_servers,
+              "--topic-prefix", kafka_settings.topic_prefix, "--tokenizer", str(tiny_model_dir)]
+    assert main(common) == 1
+    results = kafka_settings.topic("results")
+    assert one_error_line(capsys) == (
+        f"genpipe derender-worker: error: topic {results!r} takes record batches of at most 400000 bytes (its "
+        f"max.message.bytes), below the 1000512 this worker may write there (--max-record-bytes 1000000, batches "
+        f"of up to 262144 bytes): raise its max.message.bytes to 1000512 or more, or lower --max-record-bytes to "
+        f"399488")
+
+
+def test_record_limits_that_refuse_a_workers_records_or_batches_are_named_with_the_fix():
+    from workers.broker.topics import record_limit_problems
+
+    batch = 256 * 1024
+    assert record_limit_problems({"p.results": 1_048_588, "p.dlq": 1_000_512}, 1_000_000, batch) == []
+    # a lower --max-record-bytes fits a smaller topic, down to the producer's batch size
+    assert record_limit_problems({"p.chunks": 300_000}, 200_000, batch) == []
+    (problem,) = record_limit_problems({"p.chunks": 200_000, "p.results": 1_048_588}, 1_000_000, batch)
+    assert problem.startswith("topic 'p.chunks' takes record batches of at most 200000 bytes")
+    assert problem.endswith("raise its max.message.bytes to 1000512 or more")  # no --max-record-bytes fits it

@@ -172,3 +172,41 @@ async def _wait_for_leaders(admin, names: list[str], timeout: float) -> dict[str
             waiting = sorted(set(names) - set(ready))
             raise TopicsError(f"topics without leaders after {timeout:.0f} s: {waiting}")
         await asyncio.sleep(0.1)
+
+
+# What a record batch adds to the records' own bytes (key, value, headers: what
+# `--max-record-bytes` counts): the batch header (61 bytes) and each record's lengths,
+# offsets and timestamps as varints. Generous: a limit exactly at the edge is not the point.
+BATCH_OVERHEAD_BYTES = 512
+
+
+async def record_limits(admin, topics: Sequence[str]) -> dict[str, int]:
+    """Each topic's `max.message.bytes` (the largest record batch the broker accepts),
+    where the broker tells: a topic this client may not describe is left out."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    responses = await admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"max.message.bytes": None}) for topic in topics])
+    limits = {}
+    for response in responses:
+        for resource in response.to_object()["resources"]:
+            if resource["error_code"]:
+                continue
+            for entry in resource["config_entries"]:
+                if entry["config_names"] == "max.message.bytes" and str(entry["config_value"]).isdigit():
+                    limits[resource["resource_name"]] = int(entry["config_value"])
+    return limits
+
+
+def record_limit_problems(limits: dict[str, int], max_record_bytes: int, batch_bytes: int) -> list[str]:
+    """The topics (of `limits`) that refuse records or batches a worker writes: one as
+    large as `max_record_bytes`, or a batch of smaller ones up to `batch_bytes`. The broker
+    refuses those for good; found at start, it is a clear error instead of requests that
+    end with an error later (or, before that was handled, a partition that stopped)."""
+    need = max(max_record_bytes, batch_bytes) + BATCH_OVERHEAD_BYTES
+    return [f"topic {topic!r} takes record batches of at most {limit} bytes (its max.message.bytes), below the "
+            f"{need} this worker may write there (--max-record-bytes {max_record_bytes}, batches of up to "
+            f"{batch_bytes} bytes): raise its max.message.bytes to {need} or more"
+            + (f", or lower --max-record-bytes to {limit - BATCH_OVERHEAD_BYTES}"
+               if limit - BATCH_OVERHEAD_BYTES >= batch_bytes else "")
+            for topic, limit in limits.items() if limit < need]

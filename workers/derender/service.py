@@ -52,4 +52,5 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,
                        worker="derender", loop_options={"commit_interval_s": config.commit_interval_s},
                        max_record_bytes=config.max_record_bytes,
-                       uses=[settings.topic("results"), settings.topic("cancel")])
+                       uses=[settings.topic("results"), settings.topic("cancel")],
+                       writes=[settings.topic("results")])

@@ -20,7 +20,7 @@ from typing import Callable
 import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import (KafkaError, MessageSizeTooLargeError, RecordListTooLargeError,
-                             TopicAuthorizationFailedError)
+                             TopicAuthorizationFailedError, UnknownTopicOrPartitionError)
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
 from schemas.headers import HEADER_FINAL
@@ -84,6 +84,8 @@ def refusal_message(topic: str, results_topic: str, exc: BaseException, max_reco
     if isinstance(exc, (MessageSizeTooLargeError, RecordListTooLargeError)):
         return (f"{where} refused the result as too large ({name}): the topic's max.message.bytes must hold "
                 f"the derender workers' largest result batch (their --max-record-bytes is {max_record_bytes})")
+    if isinstance(exc, UnknownTopicOrPartitionError):
+        return f"{where} was deleted while the result was on its way to it"
     if isinstance(exc, TopicAuthorizationFailedError):
         return f"{where} refused the result ({name}): the derender workers may not write to it"
     return f"{where} refused the result ({name}: {exc})"
@@ -294,24 +296,13 @@ class DerenderHandler(Handler):
                     continue
                 exc = future.exception()
                 series(PUBLISH_REFUSED, W).inc()
-                rid = record.key
-                if sent.replacing or isinstance(record.value, Cancel) or rid in self._answered_refused:
-                    log.error("request %s: %s refused %s (%r); moving on", rid, record.topic,
+                if sent.replacing or isinstance(record.value, Cancel):
+                    log.error("request %s: %s refused %s (%r); moving on", record.key, record.topic,
                               "the error result sent in place of a refused one: the request stays unanswered"
-                              if sent.replacing else "a cancel" if isinstance(record.value, Cancel)
-                              else "a later result of a request already answered with an error", exc)
+                              if sent.replacing else "a cancel", exc)
                     continue
-                self._answered_refused[rid] = None
-                if len(self._answered_refused) > _ANSWERED_KEPT:
-                    del self._answered_refused[next(iter(self._answered_refused))]
-                message = refusal_message(record.topic, self.results_topic, exc, self.publisher.max_record_bytes)
-                log.warning("request %s: %s; answering on %s", rid, message, self.results_topic)
-                if record.topic != self.results_topic:
-                    series(REPLY_REFUSED, W).inc()
-                final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)
-                result = Result(rid, record.topic, record.value, record.headers, final)
-                replacements.extend(self._outgoing(o, sent.tp)
-                                    for o in answer_on_default_topic(self.derenderer, result, message))
+                replacements.extend(self._in_place_of(record, sent.tp, refusal_message(
+                    record.topic, self.results_topic, exc, self.publisher.max_record_bytes)))
             if not replacements:
                 sent.release_all()
                 continue
@@ -321,6 +312,7 @@ class DerenderHandler(Handler):
             answer.when_settled()
 
     async def tick(self) -> None:
+        await self.publisher.fail_records_of_deleted_topics()  # (a reply topic deleted mid-stream)
         await self._publish_pending()
 
     async def _reply_topics_checked(self, outputs: list[Output]) -> list[Output]:
@@ -352,13 +344,32 @@ class DerenderHandler(Handler):
         except (TopicUnavailable, KafkaError) as exc:
             if record.topic in (self.results_topic, self.cancel_topic):
                 raise
-            log.warning("request %s: publishing to %s failed: %r", record.key, record.topic, exc)
-            series(REPLY_REFUSED, W).inc()
-            result = Result(record.key, record.topic, record.value, record.headers, HEADER_FINAL in record.headers)
-            outputs = answer_on_default_topic(
-                self.derenderer, result, f"publishing to reply_topic {record.topic!r} failed: {exc}")
-            futures = [await self.publisher.publish(self._outgoing(o, tp)) for o in outputs]
+            replacements = self._in_place_of(record, tp, f"publishing to reply_topic {record.topic!r} failed: {exc}")
+            if not replacements:
+                answered = asyncio.get_running_loop().create_future()
+                answered.set_result(None)
+                return answered
+            futures = [await self.publisher.publish(r) for r in replacements]
             return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+
+    def _in_place_of(self, record: Outgoing, tp: TopicPartition, message: str) -> list[Outgoing]:
+        """The records that end `record`'s request with an error on the default results
+        topic, in place of `record`, which its topic will not take; none when an earlier
+        record of the request was answered so (same batch, or sent before that was known)."""
+        rid = record.key
+        if rid in self._answered_refused:
+            log.error("request %s: %s refused a later result of a request already answered with an error; "
+                      "moving on", rid, record.topic)
+            return []
+        self._answered_refused[rid] = None
+        if len(self._answered_refused) > _ANSWERED_KEPT:
+            del self._answered_refused[next(iter(self._answered_refused))]
+        log.warning("request %s: %s; answering on %s", rid, message, self.results_topic)
+        if record.topic != self.results_topic:
+            series(REPLY_REFUSED, W).inc()
+        final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)
+        result = Result(rid, record.topic, record.value, record.headers, final)
+        return [self._outgoing(o, tp) for o in answer_on_default_topic(self.derenderer, result, message)]
 
     def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:
         # Sized on replays too (records below `publish_from`), so state is rebuilt the same way.

@@ -248,7 +248,8 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                                          "group_instance_id": config.group_instance_id,
                                          "assignor": config.assignor},
                            max_record_bytes=config.max_record_bytes,
-                           uses=[settings.topic("chunks"), settings.topic("cancel")])
+                           uses=[settings.topic("chunks"), settings.topic("cancel")],
+                           writes=[settings.topic("chunks")])
     finally:
         outputs.engine.stop()
         outputs.metrics.flush()

@@ -26,12 +26,18 @@ from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 from workers.kafka.settings import KafkaSettings
 
 
+# The largest batch of records the producer builds for a partition (a larger record goes in
+# a batch of its own): the topics a worker writes must take batches of this size
+# (workers/broker/topics.py `record_limit_problems`).
+MAX_BATCH_BYTES = 256 * 1024
+
+
 def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
     options = dict(
         enable_idempotence=True,  # retries never duplicate or reorder a partition's records
         acks="all",
         linger_ms=0,
-        max_batch_size=256 * 1024,
+        max_batch_size=MAX_BATCH_BYTES,
         request_timeout_ms=30000,
     )
     options.update(overrides)

@@ -14,7 +14,7 @@ import time
 from typing import Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
@@ -44,6 +44,12 @@ SHUTDOWN_WAIT_S = 10.0
 REBALANCE_WAIT_S = 10.0
 
 
+# A topic deleted while records for it were queued: aiokafka waits for it for good (our
+# producers never expire a batch: workers/kafka/clients.py `keep_batches_until_sent`).
+# Absent from the cluster's metadata this long, and again in a fresh lookup, it is gone.
+DELETED_TOPIC_WAIT_S = 30.0
+
+
 class TopicUnavailable(Exception):
     """The topic does not exist (or this client may not see it): nothing was sent."""
 
@@ -68,6 +74,8 @@ class Publisher:
         self._partitions: dict[str, int] = {}
         self._unknown: dict[str, float] = {}  # topic -> when to look again
         self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
+        self._missing_since: dict[str, float] = {}  # topics with queued records, absent from the metadata
+        self._next_deleted_check = 0.0
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -77,7 +85,11 @@ class Publisher:
         within METADATA_WAIT_S. Never raises."""
         count = self._partitions.get(topic)
         if count:
-            return count
+            if self.producer.client.cluster.partitions_for_topic(topic) is not None:
+                return count
+            # Gone from the producer's metadata (deleted?): look again, bounded. aiokafka's
+            # send() waited 30 s for it, and the derender's loop with it, for every record.
+            del self._partitions[topic]
         now = time.monotonic()
         if self._unknown.get(topic, 0.0) > now:
             return 0
@@ -201,6 +213,44 @@ class Publisher:
                 log.warning("%s[%s]: no room in the producer's queue for %.0f s (is the broker reachable?); "
                             "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
                             time.monotonic() - started)
+
+    async def fail_records_of_deleted_topics(self) -> list[str]:
+        """Fail the records queued for topics deleted after they were handed over (a reply
+        topic its client deleted mid-stream); the topics. aiokafka waits for such a topic
+        for good, and so did what waits on those records: a derender's chunk hold (its
+        partition committed no further) and its shutdown. They fail with
+        UnknownTopicOrPartitionError, which the derender answers like any refused result.
+        Cheap to call every loop turn: looks at most once a second. (A topic without a
+        leader is still in the metadata: its records keep waiting.)"""
+        now = time.monotonic()
+        if now < self._next_deleted_check:
+            return []
+        self._next_deleted_check = now + 1.0
+        accumulator = getattr(self.producer, "_message_accumulator", None)
+        queued = {tp.topic for tp in getattr(accumulator, "_batches", ())}
+        missing = queued - self.producer.client.cluster.topics()
+        for topic in [t for t in self._missing_since if t not in missing]:
+            del self._missing_since[topic]
+        due = [t for t in missing if now - self._missing_since.setdefault(t, now) >= DELETED_TOPIC_WAIT_S]
+        if not due:
+            return []
+        try:  # confirmed by a fresh lookup: a metadata answer may lack a topic for a moment
+            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), METADATA_WAIT_S)
+        except (asyncio.TimeoutError, KafkaError):
+            return []
+        gone = [t for t in due if not cluster.partitions_for_topic(t)]
+        for tp in [tp for tp in accumulator._batches if tp.topic in gone]:
+            batches = accumulator._batches.pop(tp)
+            log.warning("%s[%d]: the topic was deleted with %d records queued for it: failing them", tp.topic,
+                        tp.partition, sum(batch.record_count for batch in batches))
+            for batch in batches:
+                batch.failure(UnknownTopicOrPartitionError(f"topic {tp.topic!r} was deleted"))
+                if batch.future.done():
+                    batch.future.exception()  # (retrieved: the records' own futures carry it)
+        for topic in gone:
+            self._missing_since.pop(topic, None)
+            self._partitions.pop(topic, None)  # its next record finds it missing (TopicUnavailable)
+        return gone
 
     def _track(self, future: asyncio.Future, records: int = 1) -> None:
         self.in_flight += 1

@@ -12,10 +12,15 @@ import logging
 import signal
 from typing import Awaitable, Callable, Sequence
 
-from workers.kafka.clients import KafkaUnreachable, make_producer, start_client, stop_producer
+from aiokafka.errors import KafkaError
+
+from workers.broker.topics import record_limit_problems, record_limits
+from workers.kafka.clients import (MAX_BATCH_BYTES, KafkaUnreachable, make_admin, make_producer, start_client,
+                                   stop_producer)
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
-from workers.kafka.publisher import MAX_RECORD_BYTES, SHUTDOWN_WAIT_S, Publisher, request_size_for
+from workers.kafka.publisher import (MAX_RECORD_BYTES, METADATA_WAIT_S, SHUTDOWN_WAIT_S, Publisher,
+                                     request_size_for)
 from workers.kafka.settings import KafkaSettings
 from workers.startup import StartupError, one_line
 
@@ -29,12 +34,14 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
                 background: Callable[[asyncio.Event], list[Awaitable]] | None = None,
                 producer_overrides: dict | None = None, loop_options: dict | None = None,
                 on_ready: Callable[[], None] | None = None, worker: str = "worker",
-                max_record_bytes: int = MAX_RECORD_BYTES, uses: Sequence[str] = ()) -> int:
+                max_record_bytes: int = MAX_RECORD_BYTES, uses: Sequence[str] = (),
+                writes: Sequence[str] = ()) -> int:
     """Run one worker until `stop` is set; return an exit code.
 
     `topic`: the topic (or topics) the worker consumes. `uses`: the topics it writes or
     follows besides those (checked at start,
-    like `topic` and the DLQ). Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
+    like `topic` and the DLQ). `writes`: those of `uses` its large records go to (chunks,
+    results): checked at start, with the DLQ, to take records of `max_record_bytes`. Without a `stop` event the worker owns the process: SIGTERM/SIGINT set its own. With
     one (several workers in one process, tests), the caller decides when to stop.
     """
     loop = asyncio.get_running_loop()
@@ -67,6 +74,10 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
                            f"{'do' if len(missing) > 1 else 'does'} not exist on {settings.bootstrap_servers} "
                            f"(or this worker may not see {'them' if len(missing) > 1 else 'it'}): create them with "
                            f"`genpipe topics create --topic-prefix {settings.topic_prefix}`")
+    problems = await _record_limit_problems(settings, [*writes, settings.topic("dlq")], max_record_bytes)
+    if problems:
+        await producer.stop()
+        raise StartupError("; ".join(problems))
     offsets = PartitionOffsets()
     consumer_loop = ConsumerLoop(settings, consumed, group_id, make_handler(publisher, offsets), offsets,
                                  worker=worker, **(loop_options or {}))
@@ -104,3 +115,27 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
         await stop_producer(producer, 1.0 if publisher.stuck else SHUTDOWN_WAIT_S, f"{worker} worker")
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+async def _record_limit_problems(settings: KafkaSettings, topics: list[str], max_record_bytes: int) -> list[str]:
+    """The topics of `topics` whose `max.message.bytes` refuses what this worker writes
+    there (workers/broker/topics.py `record_limit_problems`). A topic whose limit cannot be
+    read (the worker may not describe it: a deployment's ACLs need not allow it) is not
+    checked, and the log says so."""
+    admin = make_admin(settings)
+    try:
+        await start_client(admin, settings)
+    except KafkaUnreachable as exc:
+        log.warning("record limits of %s not checked: %s", ", ".join(topics), exc)
+        return []
+    try:
+        limits = await asyncio.wait_for(record_limits(admin, topics), METADATA_WAIT_S)
+    except (KafkaError, asyncio.TimeoutError) as exc:
+        log.warning("record limits of %s not checked: %r", ", ".join(topics), exc)
+        return []
+    finally:
+        await admin.close()
+    unread = [topic for topic in topics if topic not in limits]
+    if unread:
+        log.info("record limits of %s not checked (this worker may not describe them)", ", ".join(unread))
+    return record_limit_problems(limits, max_record_bytes, MAX_BATCH_BYTES)
