@@ -60,7 +60,7 @@ def test_worker_commands_refuse_a_bad_pattern_as_usage(capsys):
 def test_a_refused_result_is_explained_by_what_the_broker_said():
     from aiokafka.errors import MessageSizeTooLargeError, PolicyViolationError, TopicAuthorizationFailedError
 
-    from workers.derender.worker import refusal_message
+    from workers.derender.undeliverable import refusal_message
 
     size = refusal_message("acme.reply.t", "acme.results", MessageSizeTooLargeError(), 1000)
     assert size.startswith("reply_topic 'acme.reply.t' refused the result as too large (MessageSizeTooLargeError)")

@@ -140,7 +140,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
     from schemas import JSON, GenerateChunk, RecordError
     from workers.derender.filemode import result_line
     from workers.derender.state import Result
-    from workers.derender.worker import within_record_limit
+    from workers.derender.undeliverable import within_record_limit
     from workers.kafka.clients import make_consumer, make_producer, start_client
     from workers.kafka.follow import assign_range, batches
     from workers.kafka.publisher import Publisher, request_size_for

@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
 
-import msgspec
 from aiokafka import TopicPartition
-from aiokafka.errors import (KafkaError, MessageSizeTooLargeError, RecordListTooLargeError,
-                             TopicAuthorizationFailedError, UnknownTopicOrPartitionError)
+from aiokafka.errors import KafkaError
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
 from schemas.headers import HEADER_FINAL
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
+from workers.derender.undeliverable import answer_on_default_topic, refusal_message, within_record_limit
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_settled
 from workers.kafka.publisher import Publisher, TopicUnavailable
@@ -45,28 +43,6 @@ METADATA_PREFIX = "published="
 _ANSWERED_KEPT = 10_000
 
 
-def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callable[[Output], Outgoing],
-                        limit: int) -> list[tuple[Output, Outgoing]]:
-    """The derenderer's outputs with their records. A result over `limit` bytes (a long
-    non-streamed answer with many logprobs) would be refused by the broker, leaving its
-    request unanswered and its offset held: the error result that ends the request
-    (`Derenderer.fail`) goes in its place. The worker and `genpipe replay` both apply
-    it, so a replay reproduces the worker's records."""
-    out = []
-    for output in outputs:
-        record = to_record(output)
-        if isinstance(output, Result) and record.size() > limit:
-            message = (f"result too large: {record.size()} bytes, over the record size limit of {limit} "
-                       f"bytes; ask for fewer logprobs (a non-streamed answer holds every token's "
-                       f"logprobs in one result, a streamed one those of one chunk)")
-            log.warning("request %s: %s", output.request_id, message)
-            # the request asked for more than a record holds: the client's to change
-            out.extend((o, to_record(o)) for o in derenderer.fail(output, message, "invalid_request_error", 400))
-        else:
-            out.append((output, record))
-    return out
-
-
 def parse_published(metadata: str | None) -> int:
     """`published=<offset>` → offset; anything else → 0 (publish everything)."""
     if metadata and metadata.startswith(METADATA_PREFIX):
@@ -75,28 +51,6 @@ def parse_published(metadata: str | None) -> int:
         except ValueError:
             pass
     return 0
-
-
-def refusal_message(topic: str, results_topic: str, exc: BaseException, max_record_bytes: int) -> str:
-    """What a client is told when the broker refused its result for good."""
-    where = f"the results topic {topic!r}" if topic == results_topic else f"reply_topic {topic!r}"
-    name = type(exc).__name__
-    if isinstance(exc, (MessageSizeTooLargeError, RecordListTooLargeError)):
-        return (f"{where} refused the result as too large ({name}): the topic's max.message.bytes must hold "
-                f"the derender workers' largest result batch (their --max-record-bytes is {max_record_bytes})")
-    if isinstance(exc, UnknownTopicOrPartitionError):
-        return f"{where} was deleted while the result was on its way to it"
-    if isinstance(exc, TopicAuthorizationFailedError):
-        return f"{where} refused the result ({name}): the derender workers may not write to it"
-    return f"{where} refused the result ({name}: {exc})"
-
-
-def answer_on_default_topic(derenderer: Derenderer, result: Result, message: str) -> list[Output]:
-    """`result` cannot go to its reply topic (not allowed, missing, refused): end the
-    request with an `invalid_request_error` on the default results topic instead, where
-    the client's library (or `genpipe tail`) still finds it by request id."""
-    return [msgspec.structs.replace(o, reply_topic=None) if isinstance(o, Result) else o
-            for o in derenderer.fail(result, message, "invalid_request_error", 400)]
 
 
 class _Sent:
