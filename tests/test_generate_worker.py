@@ -277,6 +277,52 @@ async def test_a_request_whose_single_token_chunk_is_over_the_limit_ends_with_an
     assert (await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen", [tp]))[tp].offset == 2
 
 
+async def test_chunks_the_broker_refuses_for_good_end_their_requests_with_an_error_and_the_partition_moves_on(
+        kafka_settings, make_topics, engine):
+    """The chunks topic's limit lowered below a request's chunks while the worker runs (an
+    operator's change; at start the worker refuses such a topic): the broker refuses them
+    for good. Before, a refused final chunk kept its request's offset held for good (the
+    group committed no further than it) and nothing told its client; a refused chunk of a
+    running request left the engine generating for nobody. Now each ends with a server
+    error chunk in place of its first refused one, and the partition moves on."""
+    await make_topics(kafka_settings, partitions=1)
+    prompt = [1] + [10 + i for i in range(200)]  # its logprobs on seq 0: ~45 kB, over the 4,000 bytes
+    ended = GenerateRequest(request_id="refused-final", prompt_token_ids=prompt,
+                            sampling=SamplingParams(max_tokens=1, prompt_logprobs=5))
+    running = GenerateRequest(request_id="refused-running", prompt_token_ids=prompt,
+                              sampling=SamplingParams(max_tokens=None, ignore_eos=True, prompt_logprobs=5))
+    after = GenerateRequest(request_id="after", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    group = f"{kafka_settings.topic_prefix}-gen"
+    stop, task = await start_worker(kafka_settings, engine, min_step_s=0.01)
+    try:
+        await set_max_message_bytes(kafka_settings, kafka_settings.topic("chunks"), 4000)
+        await produce(kafka_settings, [request_record(r) for r in (ended, running)])
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                         until=chunks_finished({"refused-final", "refused-running"}))
+        # to the context length would take 20 s at this pace: the refusal stopped it
+        await wait_for(lambda: not engine.has_work(), timeout=10, what="the engine to drop the refused request")
+        # (sent now: a request whose chunks share a producer batch with refused ones is refused with them)
+        await produce(kafka_settings, [request_record(after)])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"after"}))
+        await wait_for_commit(kafka_settings, group, TopicPartition(kafka_settings.topic("requests"), 0), 3,
+                              what="the partition's commits stopped at the request whose final chunk was refused")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)
+    for request_id in ("refused-final", "refused-running"):
+        *before, error = chunks[request_id]
+        # (chunks already handed over when the refusal came go on: they follow the refused seq 0)
+        assert all(c.seq > 0 for c in before) and len(before) <= 3
+        assert error.seq == 0 and error.finish_reason == "error" and error.token_ids == []
+        assert error.prompt_logprobs is None and error.prompt_token_count == 201  # seq 0's facts, for derender
+        assert error.error.type == "server_error"
+        assert error.error.message.startswith(
+            f"the chunks topic {kafka_settings.topic('chunks')!r} refused this request's chunk for good "
+            f"([Error 10] MessageSizeTooLargeError)")
+    assert sum(len(c.token_ids) for c in chunks["after"]) == 3 and chunks["after"][-1].finish_reason == "length"
+
+
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):
     await make_topics(kafka_settings, partitions=1)
     bad_rule = GenerateRequest(request_id="bad-logprobs", prompt_token_ids=[1, 2],

@@ -28,7 +28,7 @@ REPLY_REFUSED = Counter("genpipe_reply_topic_refused_total",
                         "not allowed, missing or refused the record", ["worker"])
 PUBLISH_REFUSED = Counter("genpipe_publish_refused_total",
                           "Records the broker refused for good (too large for their topic, not allowed): "
-                          "a result's request is answered with an error in its place", ["worker"])
+                          "their request is answered with an error in their place", ["worker"])
 IN_FLIGHT = Gauge("genpipe_in_flight_requests", "Requests started and not finished", ["worker"])
 REBALANCES = Counter("genpipe_rebalances_total", "Partition assignments this worker received "
                      "(one per rebalance it took part in)", ["worker"])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, Publisher, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, publishing, Publisher, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 async def start_engine(step_s: float, max_batch: int):
@@ -73,7 +73,7 @@ async def run_side(outputs, k: int, requests: int, tokens: int, chunk_tokens: in
     for m in messages:  # as the consumer loop: the offset seen, then the handler
         offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)
         await handler.handle(m)
-    while handler.inflight or handler._publishing:
+    while handler.inflight or publishing(handler):
         await asyncio.sleep(0.005)
     cpu_s = time.process_time() - start
     said: dict[str, list] = {}

@@ -45,7 +45,7 @@ ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(ROOT))
 from engine_read import start_engine  # noqa: E402  (ops/bench/engine_read.py)
-from paired import Message, Side, fixed_chunk_policy, interleaved  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, publishing, Side, fixed_chunk_policy, interleaved  # noqa: E402  (ops/bench/paired.py)
 
 
 async def run_generate(outputs, publisher, settings, k: int, requests: int, tokens: int, chunk_tokens: int) -> dict:
@@ -78,7 +78,7 @@ async def run_generate(outputs, publisher, settings, k: int, requests: int, toke
     for m in messages:  # as the consumer loop: the offset seen, then the handler
         offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)
         await handler.handle(m)
-    while handler.inflight or handler._publishing or publisher.in_flight:
+    while handler.inflight or publishing(handler) or publisher.in_flight:
         await asyncio.sleep(0.005)  # the last acknowledgements (the condition, polled)
     cpu_s = time.process_time() - start
     said: dict[str, list] = {}

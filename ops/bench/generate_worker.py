@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 STEP_S = 0.002  # each step's time, as the engine reports it (the metrics observe it)
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, publishing, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 # --- a child: one side, its runs timed ----------------------------------------------------
@@ -166,7 +166,7 @@ async def run_side(messages, steps, chunk_tokens: int):
     for data in steps:
         step = decode(data)  # the pipe reader's decode and handling (the step's metrics, the handler), on the loop
         reader.on_step(step.outputs, step.step_s)
-        while handler._publishing:  # the step's publish task
+        while publishing(handler):  # the step's publish task
             await asyncio.sleep(0)
     return time.process_time() - start, sink
 

@@ -108,6 +108,12 @@ def fixed_chunk_policy(chunk_tokens: int):
     return ChunkPolicy(max_tokens=chunk_tokens, max_delay_s=1e9, lag_threshold=1, **fixed)
 
 
+def publishing(handler) -> set:
+    """The generate handler's publish steps under way, in this code and older code."""
+    steps = getattr(handler, "steps", None)
+    return steps.under_way if steps is not None else handler._publishing
+
+
 class Message:
     """A consumed record, as the workers' handlers read it."""
 

@@ -2,10 +2,10 @@
 
 The shared loop (workers/kafka/loop.py) consumes requests (and bulk requests) and
 commits; this handler decodes and validates them, queues them (workers/generate/
-admission.py) and admits them to the engine by priority, deadline and arrival, turns
-engine outputs into chunks (coalescing tokens while the producer lags), and holds each
-request's offset until its final chunk is acknowledged, so a crash re-runs unfinished
-requests and loses none. Requests finish out of order, so each commit also says which
+admission.py) and admits them to the engine by priority, deadline and arrival, hands
+engine outputs to its publish steps (workers/generate/publish_steps.py), which turn them
+into chunks, and holds each request's offset until its final chunk is acknowledged, so a
+crash re-runs unfinished requests and loses none. Requests finish out of order, so each commit also says which
 offsets beyond it are done (workers/kafka/offsets.py); a partition's next owner skips
 those. A rebalance that hands a partition back keeps its requests running (§7).
 """
@@ -22,17 +22,17 @@ from aiokafka import TopicPartition
 
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
 from workers.generate.admission import WaitingQueue
-from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight, Pressure
+from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
 from workers.generate.outputs import StepOutputs
+from workers.generate.publish_steps import PublishSteps
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
-                                   release_when_acked, release_when_settled)
+                                   release_when_settled)
 from workers.kafka.publisher import REBALANCE_WAIT_S, Publisher
-from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.records import decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
-from workers.metrics import (CHUNK_HOLD, CHUNK_STRETCH, DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING,
-                             HistogramBatch, series)
+from workers.metrics import DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,6 @@ class GenerateHandler(Handler):
         self.offsets = offsets
         self.engine = engine_thread
         self.max_running = max_running
-        self.policy = policy or ChunkPolicy()
-        self.pressure = Pressure()  # how far behind its engine this worker is (chunks.py)
-        self._stretched: dict[float, ChunkPolicy] = {}  # the policy by stretch, made once each
-        self._stretch = 1.0
-        series(CHUNK_STRETCH, W).set(1.0)  # (not 0 before the first change: 1 is "not behind")
-        self.chunks = ChunkBuilder(settings.topic("chunks"), publisher.fits, publisher.max_record_bytes)
         self.inflight: dict[str, InFlight] = {}  # in the engine (at most max_running)
         # The running requests that have a deadline_ms, and it: what `tick` checks every
         # loop turn (a scan of every running request was ~3% of the worker's CPU while
@@ -69,17 +63,13 @@ class GenerateHandler(Handler):
         self.bulk_limit = bulk_limit if bulk_limit is not None else max_running
         self.bulk_running = 0
         self.finished_ahead: dict[TopicPartition, FinishedAhead] = {}  # from the previous owner's commit
-        # Taking a chunk (which numbers it) and handing it to the producer happen under
-        # one lock, so a partition receives every request's chunks in seq order.
-        self._publish_lock = asyncio.Lock()
-        self._publishing: set[asyncio.Task] = set()  # publish tasks scheduled from engine outputs
+        self.steps = PublishSteps(  # the only path by which chunks leave (publish_steps.py)
+            publisher, ChunkBuilder(settings.topic("chunks"), publisher.fits, publisher.max_record_bytes),
+            policy or ChunkPolicy(), engine_thread, self.inflight, self._stop_running)
         self._idle = asyncio.Event()  # set while nothing is in flight (shutdown waits on it)
         self._idle.set()
         self._draining = False  # shutdown: nothing more is admitted
         self._ttft = series(TTFT, W)
-        self._ready: list[InFlight] = []  # requests with tokens received, not yet taken (in arrival order)
-        self._tuned = (False, 1.0)  # what the engine's token holder was last told (_tune)
-        self._hold = HistogramBatch(series(CHUNK_HOLD, W))  # flushed once per publish step
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
 
     # --- requests in ------------------------------------------------------------------
@@ -132,7 +122,7 @@ class GenerateHandler(Handler):
         self.waiting.push(state, tier=1 if tp.topic == self.bulk_topic else 0)
         finals = self._admit()
         if finals:
-            await self._publish_step(finals)
+            await self.steps.run(finals)
 
     def _admit(self) -> list[tuple[InFlight, Final]]:
         """Move waiting requests into the engine while it has room, best first; returns
@@ -217,8 +207,8 @@ class GenerateHandler(Handler):
         if not self.inflight:
             self._idle.set()
         if step:
-            self.pressure.step(len(self._publishing))
-        return self._publish_soon(ended)
+            self.steps.pressure.step(len(self.steps.under_way))
+        return self.steps.soon(ended)
 
     def _first_pending(self, state: InFlight, now: float, since: float) -> None:
         """Tokens arrived for a request that had none pending: it is ready to publish (its
@@ -226,93 +216,11 @@ class GenerateHandler(Handler):
         if state.seq == 0 and state.token_offset == 0:
             self._ttft.observe(now - state.received_at)
         state.pending_since = since
-        self._ready.append(state)
-
-    def _publish_soon(self, finals: list[tuple[InFlight, Final]]) -> asyncio.Task:
-        """_publish_step from code that cannot await (engine outputs, cancels)."""
-        task = asyncio.ensure_future(self._publish_step(finals))
-        self._publishing.add(task)
-        task.add_done_callback(self._published)
-        return task
-
-    def _published(self, task: asyncio.Task) -> None:
-        self._publishing.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # (shutdown with the broker away)
-            log.error("publish step failed: %r; its requests are not committed, the partitions' next owner "
-                      "redoes them", task.exception())
-
-    async def _publish_step(self, finals: list[tuple[InFlight, Final]]) -> None:
-        """Publish the final chunks of requests that ended, and the tokens every other
-        request received, as one producer batch per partition (many single sends cost
-        several times more). The only path by which chunks leave the worker."""
-        async with self._publish_lock:
-            policy = self._policy_now()
-            self._tune(policy)
-            hold = self._hold.observe  # the oldest token's wait, per chunk taken
-            now = time.monotonic()
-            records, owners = [], []
-            for state, final in finals:
-                state.closed = True
-                if state.pending_ids:
-                    hold(now - state.pending_since)
-                taken = self._take_records(state, final, policy.max_tokens)
-                if final.finish_reason != "error":  # errors were counted as "invalid" when rejected
-                    series(REQUESTS, W, taken[-1].value.finish_reason).inc()  # "error" if too large
-                records.extend(taken)
-                owners.extend([None] * (len(taken) - 1) + [state])  # the final chunk's ack releases
-            ready, self._ready = self._ready, []
-            inflight = self.inflight
-            for state in ready:
-                if state.closed or not state.pending_ids or inflight.get(state.request.request_id) is not state:
-                    continue  # ended: above, or by a publish step that comes next, with its final chunk
-                hold(now - state.pending_since)
-                taken = self._take_records(state, None, policy.max_tokens)
-                records.extend(taken)  # the last one is final if the request just failed
-                owners.extend([None] * (len(taken) - 1) + [state if state.closed else None])
-            self.chunks.count_taken()
-            self._hold.flush()
-            futures = await self.publisher.publish_batch(records) if records else []
-        for future, state in zip(futures, owners):
-            if state is not None:
-                release_when_acked(future, state.release)
-
-    def _tune(self, policy: ChunkPolicy) -> None:
-        """Tell the engine's token holder what only this side knows, when it changes."""
-        tuning = (self.publisher.in_flight >= policy.lag_threshold, self._stretch)
-        if tuning != self._tuned:
-            self._tuned = tuning
-            try:
-                self.engine.tune(*tuning)
-            except RuntimeError:  # the engine process is gone: `tick` reports its failure
-                pass
-
-    def _policy_now(self) -> ChunkPolicy:
-        """The chunk policy stretched for how far behind its engine the worker is now."""
-        stretch = self.policy.stretch(self.pressure.value)
-        if stretch != self._stretch:
-            self._stretch = stretch
-            series(CHUNK_STRETCH, W).set(stretch)
-        policy = self._stretched.get(stretch)
-        if policy is None:
-            policy = self._stretched[stretch] = self.policy.stretched(stretch)
-        return policy
-
-    def _take_records(self, state: InFlight, final: Final | None, max_tokens: int) -> list[Outgoing]:
-        """The request's pending tokens as chunk records (workers/generate/chunks.py); a
-        request whose next chunk cannot fit the record limit ends here with an error chunk."""
-        records, too_large = self.chunks.take(state, final, max_tokens)
-        if too_large is not None:
-            log.warning("request %s: %s", state.request.request_id, too_large)
-            series(ERRORS, W).inc()
-            if not state.closed:  # still generating: stop it here
-                series(REQUESTS, W, "error").inc()
-                self._stop_running(state)
-            state.closed = True
-        return records
+        self.steps.ready(state)
 
     async def _publish_final(self, state: InFlight, final: Final) -> None:
         """A request that ends without reaching the engine (invalid, cancelled, expired)."""
-        await self._publish_step([(state, final)])
+        await self.steps.run([(state, final)])
 
     # --- cancels, deadlines, timers -------------------------------------------------------
 
@@ -325,7 +233,7 @@ class GenerateHandler(Handler):
             self.engine.abort(request_id, "abort")
         state = self.waiting.remove(request_id)
         if state is not None:
-            self._publish_soon([(state, Final("abort"))])
+            self.steps.soon([(state, Final("abort"))])
 
     async def tick(self) -> None:
         if self.engine.failure is not None:
@@ -337,7 +245,7 @@ class GenerateHandler(Handler):
         finals = [(state, _deadline_passed(state)) for state in self.waiting.expired(now_ms)]
         if not self._draining:
             finals += self._admit()
-        await self._publish_step(finals)
+        await self.steps.run(finals)
 
     def wants_pause(self, topic: str) -> bool:
         if self._draining or self.waiting.full():
@@ -364,8 +272,8 @@ class GenerateHandler(Handler):
         a partition of the cluster without a leader it had no end, and the group's
         rebalance, every member's, waited with it. Past the bound what was not acknowledged
         is not committed, so the partitions' next owner redoes it (a failure of a step is
-        logged: _published)."""
-        if not await self.publisher.settle(self._publishing, REBALANCE_WAIT_S):
+        logged: publish_steps.py)."""
+        if not await self.publisher.settle(self.steps.under_way, REBALANCE_WAIT_S):
             log.warning("records not acknowledged within %.0f s of a rebalance (is the broker reachable? does every "
                         "partition have a leader?): giving the partitions up without them (%d handed over); what "
                         "was not acknowledged is not committed, their next owner redoes it",
@@ -421,7 +329,7 @@ class GenerateHandler(Handler):
             await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             pass
-        await self.publisher.flush_at_shutdown(self._publishing)  # the finals handed over and acknowledged
+        await self.publisher.flush_at_shutdown(self.steps.under_way)  # the finals handed over and acknowledged
         if self.inflight:
             log.warning("grace period over: %d requests left for the next owner", len(self.inflight))
             await self.on_lost({state.tp for state in self.inflight.values()})

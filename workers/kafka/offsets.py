@@ -102,19 +102,11 @@ class PartitionOffsets:
         return self._trackers.items()
 
 
-def release_when_acked(future: asyncio.Future, release: Release) -> None:
-    """Release once the broker acknowledged; a failed publish keeps the hold, so the
-    partition's next owner does the work again."""
-    def done(f: asyncio.Future) -> None:
-        if not f.cancelled() and f.exception() is None:
-            release()
-    future.add_done_callback(done)
-
-
 def release_when_settled(future: asyncio.Future, release: Release) -> None:
     """Release once the broker answered, acknowledged or refused for good: for a DLQ copy,
-    whose refusal is logged (`Publisher.to_dlq`) and must not hold the partition's commits
-    for good. Not when cancelled (shutdown): the partition's next owner copies it again."""
+    whose refusal is logged (`Publisher.to_dlq`), or an error chunk sent in place of refused
+    ones: neither may hold the partition's commits for good. Not when cancelled (shutdown):
+    the partition's next owner does it again."""
     def done(f: asyncio.Future) -> None:
         if not f.cancelled():
             release()
