@@ -50,7 +50,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "would be larger is cut or, when it cannot be, replaced by an error for its "
                              "request. Raise it only together with the broker's message.max.bytes, and use one "
                              "value for all workers (and replay): a new owner replays a partition's "
-                             "requests by the same rule.")
+                             "requests by the same rule. At start a worker checks that the topics its "
+                             "large records go to and the DLQ take it (their max.message.bytes at "
+                             "least this, and the 256 KiB producer batch, plus 512), and stops with "
+                             "one line naming the topic if not.")
     parser.add_argument("--reply-topic-pattern", type=_pattern,
                         default=os.environ.get("GENPIPE_REPLY_TOPIC_PATTERN", DEFAULT_PATTERN),
                         help="the topics a request may name as its reply_topic: a regular expression "

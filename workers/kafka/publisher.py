@@ -216,7 +216,7 @@ class Publisher:
 
     async def fail_records_of_deleted_topics(self) -> list[str]:
         """Fail the records queued for topics deleted after they were handed over (a reply
-        topic its client deleted mid-stream); the topics. aiokafka waits for such a topic
+        topic its client deleted mid-stream); returns those topics. aiokafka waits for such a topic
         for good, and so did what waits on those records: a derender's chunk hold (its
         partition committed no further) and its shutdown. They fail with
         UnknownTopicOrPartitionError, which the derender answers like any refused result.
