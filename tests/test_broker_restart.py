@@ -190,9 +190,10 @@ async def test_workers_told_to_stop_while_the_broker_is_gone_stop_without_their_
         assert await asyncio.to_thread(local._wait_gone, info.pid, 30)
         (data_dir / "broker.pid").unlink()
         # Told to stop once the generate worker waits for room in its producer's queue (it
-        # says so after the producer's request timeout, 30 s): its loop is stuck in a publish.
+        # says so after the producer's request timeout, 30 s). Its chunks wait in a lane
+        # (workers/kafka/lanes.py): the loop is not stuck in a publish, the engine goes on.
         await asyncio.to_thread(wait_for_log, workers, "generate", "no room in the producer's queue", 90)
-        # The bounds: 10 s for the stuck turn, 2 s of grace, 10 s for the records, 10 s for
+        # The bounds: 10 s for a stuck turn, 2 s of grace, 10 s for the records, 10 s for
         # the commit, 1 s for the producer; a hang is killed at 60.
         codes = await asyncio.to_thread(workers.stop_all, 60)
     finally:
@@ -203,9 +204,8 @@ async def test_workers_told_to_stop_while_the_broker_is_gone_stop_without_their_
     for name in ("generate", "derender"):
         assert "final commit not done within 10 s" in workers.log(name), workers.log(name)[-2000:]
     generate = workers.log("generate")
-    assert "the loop's last turn not done within 10 s of the stop (is the broker reachable?)" in generate
+    assert "gone.chunks[0]: the producer has not taken a batch for 1 s" in generate  # its lane opened
     assert "records not acknowledged within 10 s (is the broker reachable?)" in generate
-    assert "grace period over: 4 requests left for the next owner" in generate
 
 
 def wait_for_log(workers: WorkerProcesses, name: str, text: str, timeout: float) -> None:

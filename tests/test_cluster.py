@@ -15,7 +15,7 @@ from workers.broker.cluster import cluster_down, cluster_up, node_down, node_up
 from workers.broker.topics import create_topics
 from workers.client import GenpipeClient, Restart, make_request
 from workers.kafka.clients import make_admin
-from workers.kafka.settings import KafkaSettings
+from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PORT = int(os.environ.get("GENPIPE_TEST_CLUSTER_PORT", "19800"))  # PORT..PORT+5
@@ -209,6 +209,80 @@ async def test_a_partition_without_a_leader_past_the_request_timeout_loses_no_re
     _assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster leaderless partition: {len(requests)} requests, 0 lost, broker {victim} away {AWAY_S} s; "
           f"restarts seen {sum(r for _, r in done)}")
+
+
+async def test_a_partition_without_a_leader_holds_only_its_own_requests(cluster, tiny_model_dir):
+    """chunks[0] alone on the broker that dies (topics with one replica). A publish step
+    handed its partitions' batches over in turn, and one for a partition whose queue the
+    producer could not empty waited until the broker came back: every partition's
+    requests waited with it, and the engine (a request on partition 1, sent while the
+    broker was away, did not finish until it was back). Now that partition's batches
+    wait in a lane of their own (workers/kafka/lanes.py) and partition 1 goes on."""
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    victim = 3
+    await _create_placed_topics(settings, victim)
+    pipeline = Pipeline(settings, tiny_model_dir)
+    held, free = _on_partition("held", 0, 300), _on_partition("free", 1, 20)  # ~15 s and ~1 s at 20 tokens/s
+    gaps: list[float] = []
+    down = False
+    try:
+        await pipeline.started()
+        async with GenpipeClient(settings=settings, timeout_s=180) as client:
+            held_task = asyncio.ensure_future(_stream(client, held, gaps))
+            await _wait(lambda: len(gaps) >= 3, 60, "the first results of the request on partition 0")
+            await asyncio.to_thread(node_down, cluster, victim, kill=True)
+            down, down_at = True, time.monotonic()
+            try:
+                free_done = await asyncio.wait_for(_stream(client, free, []), FREE_WITHIN_S)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"the request on partition 1 did not finish within {FREE_WITHIN_S} s of "
+                                     f"chunks[0]'s broker going away: it waited for that partition") from None
+            took = time.monotonic() - down_at
+            await asyncio.to_thread(node_up, cluster, victim)
+            down = False
+            held_done = await asyncio.wait_for(held_task, 240)
+        assert pipeline.alive(), "a worker stopped"
+    finally:
+        if down:
+            await asyncio.to_thread(node_up, cluster, victim)
+        results = await pipeline.close()
+    assert results == [0, 0]
+    _assert_uninterrupted(tiny_model_dir, [held, free], [held_done, free_done])
+    print(f"\ncluster leaderless chunks[0]: the request on partition 1 finished {took:.1f} s after its broker "
+          f"went away; the one on partition 0 after it came back")
+
+
+FREE_WITHIN_S = 20  # a 20-token request takes ~1 s; a lane opens after 1 s of a stuck partition
+
+
+async def _create_placed_topics(settings, victim: int) -> None:
+    """genpipe's topics, 2 partitions, 1 replica each: chunks[0] on broker `victim`, every
+    other partition on the other brokers (1-3)."""
+    from aiokafka.admin import NewTopic
+
+    others = [b for b in (1, 2, 3) if b != victim]
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(
+            settings.topic(role), -1, -1,
+            replica_assignments={0: [victim if role == "chunks" else others[0]], 1: [others[1]]},
+            topic_configs={"min.insync.replicas": "1"}) for role in TOPIC_ROLES])
+    finally:
+        await admin.close()
+    await create_topics(settings, partitions=2, replication_factor=1)  # (they exist: waits for their leaders)
+    leaders = await _leaders(settings, settings.topic("chunks"))
+    assert leaders == {0: victim, 1: others[1]}, leaders
+
+
+def _on_partition(tag: str, partition: int, max_tokens: int):
+    """A request whose id the client's producer sends to `partition` of 2 (murmur2, as
+    aiokafka's default partitioner): it stays on that partition number end to end."""
+    from aiokafka.partitioner import murmur2
+
+    i = next(i for i in range(1000) if (murmur2(f"{tag}-{i}".encode()) & 0x7FFFFFFF) % 2 == partition)
+    return make_request([1, 100 + 7 * i, 200 + i], kind="completion", request_id=f"{tag}-{i}", max_tokens=max_tokens,
+                        temperature=0, ignore_eos=True, stream=True)
 
 
 AWAY_S = 45  # past the producers' request timeout (30 s: workers/kafka/clients.py)

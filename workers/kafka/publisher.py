@@ -13,9 +13,10 @@ import logging
 import time
 from typing import Awaitable, Callable, Collection
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 
+from workers.kafka.lanes import STUCK_AFTER_S, Lanes
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
 
@@ -76,6 +77,9 @@ class Publisher:
         self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
         self._missing_since: dict[str, float] = {}  # topics with queued records, absent from the metadata
         self._next_deleted_check = 0.0
+        self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
+        accumulator = getattr(producer, "_message_accumulator", None)
+        self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -125,6 +129,15 @@ class Publisher:
         partition = record.partition
         if partition is not None and partition >= count:
             partition = None  # a reply topic with fewer partitions: fall back to key hashing
+        if partition is not None and self.lanes and TopicPartition(record.topic, partition) in self.lanes:
+            # behind the partition's records that wait in its lane, in order
+            batch = self.producer.create_batch()
+            batch.append(key=record.key.encode(), value=record.kafka_value(), timestamp=None,
+                         headers=record.kafka_headers())
+            batch.close()
+            future = await self.lanes.add(TopicPartition(record.topic, partition), batch, batch.size())
+            self._track(future)
+            return future
         future = await self._enqueue(record.topic, partition, lambda: self.producer.send(
             record.topic, record.kafka_value(), key=record.key.encode(),
             headers=record.kafka_headers(), partition=partition))
@@ -169,11 +182,31 @@ class Publisher:
         if not members:
             return
         batch.close()
-        future = await self._enqueue(topic, partition, lambda: self.producer.send_batch(batch, topic, partition=partition))
+        tp = TopicPartition(topic, partition)
+        if tp in self.lanes or not await self._room_for(tp):
+            future = await self.lanes.add(tp, batch, batch.size())
+        else:
+            future = await self._enqueue(topic, partition, lambda: self.producer.send_batch(batch, topic, partition=partition))
         self.in_flight += len(members) - 1  # _track counts one
         self._track(future, len(members))
         for i in members:
             futures[i] = future
+
+    async def _room_for(self, tp: TopicPartition) -> bool:
+        """Whether the producer takes a batch for `tp` now, or once the batch it holds for it
+        leaves, within STUCK_AFTER_S (aiokafka waits its request timeout: lanes.py)."""
+        queued = self._queued.get(tp) if self._queued is not None else None
+        if not queued:
+            return True
+        try:
+            await queued[-1].wait_drain(STUCK_AFTER_S)
+        except Exception:  # (the batch failed: it left the queue)
+            pass
+        return not self._queued.get(tp)
+
+    async def _send_in_lane(self, tp: TopicPartition, batch) -> asyncio.Future:
+        return await self._enqueue(tp.topic, tp.partition,
+                                   lambda: self.producer.send_batch(batch, tp.topic, partition=tp.partition))
 
     async def to_dlq(self, message, error: str) -> asyncio.Future:
         """Copy a refused record to the DLQ: original key and bytes, source coordinates,
@@ -200,8 +233,10 @@ class Publisher:
         had a hole, and the derender failed the request ("seq gap"), or a result never
         reached its client (tested: tests/test_broker_restart.py, the broker away 40 s).
         So the send is tried again (nothing was queued: it raised before), and what waits
-        behind it waits too, in order; the engine is held meanwhile, as for any slow
-        publish. Shutdown does not wait for it for long (flush_at_shutdown, and the consumer
+        behind it waits too, in order. A partition's batches that wait here past
+        STUCK_AFTER_S wait in a lane of their own, and the other partitions go on
+        (lanes.py); with the whole broker away, the lanes fill and the engine is held, as
+        for any slow publish. Shutdown does not wait for it for long (flush_at_shutdown, and the consumer
         loop's last turn: workers/kafka/loop.py): the work it carries is not committed."""
         started = time.monotonic()
         while True:
@@ -273,7 +308,7 @@ class Publisher:
         record handed over is acknowledged or failed, at most `timeout_s` in all; True when
         all of it was. Cancels nothing: past the time, what waits goes on waiting."""
         deadline = time.monotonic() + timeout_s
-        pending = list(pending)
+        pending = [*pending, *self.lanes.tasks()]  # (a lane's task ends when its last batch is handed over)
         if pending:
             _, late = await asyncio.wait(pending, timeout=timeout_s)
             if late:
@@ -292,7 +327,7 @@ class Publisher:
             return False
         pending = list(pending)
         if not await self.settle(pending, timeout_s):
-            for task in pending:
+            for task in [*pending, *self.lanes.tasks()]:  # (a lane's records fail as cancelled)
                 task.cancel()
             self.stuck = True
             log.warning("records not acknowledged within %.0f s (is the broker reachable?): stopping without "
