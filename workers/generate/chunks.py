@@ -254,4 +254,3 @@ class ChunkBuilder:
         # Same partition number as the request: one request's records stay on one
         # partition number end to end (docs/design.md §2), whatever partitioner the client used.
         return Outgoing(self.topic, state.request.request_id, chunk, partition=state.tp.partition)
-

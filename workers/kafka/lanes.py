@@ -63,9 +63,9 @@ class Lanes:
         lane = self._lanes.get(tp)
         if lane is None:
             lane = self._lanes[tp] = deque()
-            task = self._tasks[tp] = asyncio.ensure_future(self._run(tp, lane, time.monotonic()))
-            task.add_done_callback(lambda t, tp=tp, lane=lane: self._closed(tp, lane, t))
             now = time.monotonic()
+            task = self._tasks[tp] = asyncio.ensure_future(self._run(tp, lane, now))
+            task.add_done_callback(lambda t, tp=tp, lane=lane: self._closed(tp, lane, t))
             if now - self._warned.get(tp, -_WARN_EVERY_S) >= _WARN_EVERY_S:
                 self._warned[tp] = now
                 log.warning("%s[%d]: the producer has not taken a batch for %.0f s (no leader? a broker away?): "

@@ -132,8 +132,7 @@ class Publisher:
         if partition is not None and self.lanes and TopicPartition(record.topic, partition) in self.lanes:
             # behind the partition's records that wait in its lane, in order
             batch = self.producer.create_batch()
-            batch.append(key=record.key.encode(), value=record.kafka_value(), timestamp=None,
-                         headers=record.kafka_headers())
+            _append(batch, record)
             batch.close()
             future = await self.lanes.add(TopicPartition(record.topic, partition), batch, batch.size())
             self._track(future)
@@ -167,13 +166,11 @@ class Publisher:
             batch, members = self.producer.create_batch(), []
             for i in indexes:
                 record = records[i]
-                appended = batch.append(key=record.key.encode(), value=record.kafka_value(),
-                                        timestamp=None, headers=record.kafka_headers())
+                appended = _append(batch, record)
                 if appended is None:  # full: send it and start the next one
                     await self._send_batch(batch, topic, partition, members, futures)
                     batch, members = self.producer.create_batch(), []
-                    batch.append(key=record.key.encode(), value=record.kafka_value(),
-                                 timestamp=None, headers=record.kafka_headers())
+                    _append(batch, record)
                 members.append(i)
             await self._send_batch(batch, topic, partition, members, futures)
         return futures
@@ -339,3 +336,9 @@ class Publisher:
             log.warning("handing records over failed at shutdown (%r): that work was not committed, the "
                         "partitions' next owner redoes it", failed[0])
         return not failed
+
+
+def _append(batch, record: Outgoing):
+    """`record` into a producer batch; None when the batch is full."""
+    return batch.append(key=record.key.encode(), value=record.kafka_value(), timestamp=None,
+                        headers=record.kafka_headers())
