@@ -218,6 +218,40 @@ async def test_a_producers_batches_wait_for_a_leader_however_long_it_takes():
         await producer.stop()  # (never started: nothing to flush)
 
 
+async def test_a_retried_batch_failed_at_shutdown_fails_without_a_traceback():
+    """No broker needed. A batch sent, put back to be retried (its broker went away), then
+    failed from its queue by the producer's stop: its records fail, and aiokafka's
+    bookkeeping no longer raises KeyError in a callback, which the event loop logged as
+    "Exception in callback MessageAccumulator._pop_batch.<locals>.cb" at such a shutdown
+    (workers/kafka/clients.py `forget_failed_retries_quietly`)."""
+    from aiokafka.errors import KafkaConnectionError
+
+    producer = make_producer(KafkaSettings(bootstrap_servers="127.0.0.1:9"))
+    loop = asyncio.get_running_loop()
+    raised = []
+    loop.set_exception_handler(lambda _, context: raised.append(context))
+    try:
+        accumulator = producer._message_accumulator
+        accumulator._txn_manager.set_pid_and_epoch(1, 0)  # (what the producer's start asks the broker for)
+        tp = TopicPartition("t", 0)
+        builder = accumulator.create_builder()
+        builder.append(key=b"k", value=b"v", timestamp=None)
+        batch = accumulator._append_batch(builder, tp)
+        assert accumulator._pop_batch(tp) is batch  # the sender takes it ...
+        accumulator.reenqueue(batch)  # ... and puts it back: the broker did not answer
+        accumulator.fail_all(KafkaConnectionError("the broker is away"))  # what stop() does with it
+        assert batch.future.done()
+        await asyncio.sleep(0)  # (one turn: the futures' callbacks run)
+        await asyncio.sleep(0)
+        assert raised == [], raised[0].get("exception")
+        assert isinstance(batch.future.exception(), KafkaConnectionError)
+        with pytest.raises(KafkaConnectionError):  # (and a send waiting for its room hears it)
+            await batch.wait_drain()
+    finally:
+        loop.set_exception_handler(None)
+        await producer.stop()  # (never started: nothing to flush)
+
+
 async def test_a_followers_offset_lookup_waits_for_a_leader_and_a_clients_does_not(caplog):
     """No broker needed. A lookup of a partition without a leader times out (aiokafka:
     "Failed to get offsets by times in 40000 ms"); a generate worker's cancel follower
@@ -275,3 +309,58 @@ async def test_a_batch_the_broker_refuses_does_not_make_it_refuse_the_partitions
     records = await read_topic(kafka_settings, topic, until=lambda rs: len(rs) >= 61)
     assert [r.value.decode() for r in records] == ["first"] + [
         f"after-{round_}-{i}" for round_ in range(3) for i in range(20)]
+
+
+class StuckHandler(Handler):
+    """Releases every record at once, except b"stuck": its handling waits for good, before it
+    holds its offset (as a worker waiting on a producer with no room would)."""
+
+    def __init__(self, offsets):
+        self.offsets = offsets
+        self.handled: list[bytes] = []
+        self.cut_short = False
+
+    async def handle(self, message):
+        self.handled.append(message.value)
+        if message.value == b"stuck":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cut_short = True
+                raise
+        self.offsets.hold(message)()
+
+
+async def test_a_loop_turn_stuck_at_shutdown_is_cut_short_and_its_record_is_not_committed(kafka_settings, caplog):
+    """A stop while a loop turn waits for good (a publish the broker never takes: since
+    lanes (workers/kafka/lanes.py) a leaderless partition no longer holds a generate
+    worker's turn, but a full lane, a DLQ copy or a reply-topic send still can) ends the
+    turn after `shutdown_wait_s`, and the worker stops instead of waiting with it. The
+    record it was handling is not committed (its partition's next owner redoes it); the
+    one before it is."""
+    await create_topics(kafka_settings, partitions=1)
+    source = kafka_settings.topic("requests")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        for value in (b"first", b"stuck", b"after"):
+            await producer.send_and_wait(source, value, key=b"k")
+    finally:
+        await producer.stop()
+    group = f"{kafka_settings.topic_prefix}-stuck"
+    offsets = PartitionOffsets()
+    handler = StuckHandler(offsets)
+    consumer_loop = ConsumerLoop(kafka_settings, source, group, handler, offsets, shutdown_wait_s=1.0)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=1))
+    await wait_for(lambda: b"stuck" in handler.handled or task.done(), what="the stuck record handled")
+    assert not task.done(), task.exception()
+    stop.set()
+    await asyncio.wait_for(task, 30)  # (waited for good before the bound)
+
+    assert handler.cut_short
+    assert "the loop's last turn not done within 1 s of the stop" in caplog.text
+    assert handler.handled == [b"first", b"stuck"]
+    tp = TopicPartition(source, 0)
+    committed = await committed_offsets(kafka_settings, group, [tp])
+    assert committed[tp].offset == 1, committed  # past "first", not past "stuck"

@@ -45,6 +45,7 @@ def make_producer(settings: KafkaSettings, **overrides) -> AIOKafkaProducer:
     if options["enable_idempotence"]:
         keep_batches_until_sent(producer)
         rewind_sequences_of_refused_batches(producer)
+    forget_failed_retries_quietly(producer)
     return producer
 
 
@@ -125,6 +126,27 @@ def rewind_sequences_of_refused_batches(producer: AIOKafkaProducer) -> None:
                 "from this process", tp)
 
     accumulator._pop_batch = numbered_pop_batch
+
+
+def forget_failed_retries_quietly(producer: AIOKafkaProducer) -> None:
+    """No KeyError traceback when a retried batch fails while it waits in its queue.
+
+    aiokafka's accumulator forgets a sent batch when the batch's future ends (a callback
+    set in `_pop_batch` removes it from `_pending_batches`). A batch sent, then put back in
+    its queue to be retried (`reenqueue`, which already removes it), that fails from the
+    queue (`stop()` failing what is left with the broker away, a deleted topic's records:
+    publisher.py) made that callback raise KeyError. The worker logged "Exception in
+    callback MessageAccumulator._pop_batch.<locals>.cb ... KeyError" at such a shutdown,
+    which reads like a crash. Here forgetting a batch already forgotten does nothing."""
+    accumulator = getattr(producer, "_message_accumulator", None)
+    pending = getattr(accumulator, "_pending_batches", None)
+    if type(pending) is set:  # (tests/test_kafka_plumbing.py fails where aiokafka changed this)
+        accumulator._pending_batches = _Forgetting(pending)
+
+
+class _Forgetting(set):
+    def remove(self, item) -> None:
+        self.discard(item)
 
 
 def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, **overrides) -> AIOKafkaConsumer:
