@@ -109,3 +109,33 @@ async def test_a_send_that_fails_fails_everything_waiting_in_its_lane():
         with pytest.raises(LookupError, match="is gone"):
             future.result()
     assert lanes.bytes == 0
+
+
+async def test_a_publishers_flush_waits_for_the_records_in_its_lanes():
+    """`Publisher.flush` (genpipe replay's last step) returns once the records waiting in a
+    lane are handed to the producer and the producer's flush covered them; before, it
+    flushed only what the producer held, and a lane's records were still on their way."""
+    from workers.kafka.publisher import Publisher
+
+    events = []
+    open_ = asyncio.Event()
+
+    class Stub:  # what Publisher calls on its producer here, nothing else
+        async def send_batch(self, batch, topic, partition):
+            await open_.wait()
+            events.append(("sent", batch))
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+
+        async def flush(self):
+            events.append("flushed")
+
+    publisher = Publisher(Stub(), "dlq")
+    await publisher.lanes.add(TP, "batch", 10)
+    flushing = asyncio.ensure_future(publisher.flush())
+    await asyncio.sleep(0.05)  # (time for a flush that does not wait to end)
+    assert not flushing.done() and events == []
+    open_.set()
+    await asyncio.wait_for(flushing, 5)
+    assert events == [("sent", "batch"), "flushed"]

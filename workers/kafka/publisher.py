@@ -298,6 +298,10 @@ class Publisher:
             self.published += records
 
     async def flush(self) -> None:
+        """Every record handed over is acknowledged or failed, those waiting in a lane too:
+        a lane's task hands them to the producer first (genpipe replay's end)."""
+        while self.lanes:  # (a lane may open while another empties)
+            await asyncio.wait(self.lanes.tasks())
         await self.producer.flush()
 
     async def settle(self, pending: Collection[asyncio.Future], timeout_s: float) -> bool:
