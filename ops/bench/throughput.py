@@ -18,6 +18,18 @@ token waited to be coalesced (`genpipe_chunk_hold_seconds`, p50/p99 interpolated
 buckets as Prometheus's histogram_quantile does): the chunk age above is the newest
 token's, which that wait does not show.
 
+Goal (a)'s latency, with --each-alone: every token's time from its sampling to the chunk
+log (the chunks topic keeps the broker's append time, `LogAppendTime`, in whole
+milliseconds: this and the floor below read up to 1 ms low alike), token-weighted p50/p99. A chunk says when its newest token was sampled; the synthetic
+engine gives every running request a token per step, so a chunk's earlier tokens are
+placed evenly between the request's previous chunk's newest token and its own (a first
+chunk's tokens all at its newest: a lower bound, and a first chunk holds one token). Beside
+it, in the same run once the workers are stopped: the bare produce floor, a producer as
+the workers make it (workers/kafka/clients.py) and nothing else of genpipe's, sending as
+many records a second, of the same mean size, as the generate worker's chunks were, one
+batch per partition every step, for 3 s: each record's time from its send to its log
+append. Goal (a): that p99 at most 3 steps + the floor's p99.
+
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
         [--kind completion chat] [--text synthetic ascii cjk] [--each-alone] [--reference REV]
@@ -32,12 +44,18 @@ that the derender corrects), sent as the prompts of a generate worker run with
 
 --each-alone measures each stage at its own saturation (the issue's "this 2-core machine
 cannot run the full rate at once"): the derender worker is stopped (SIGSTOP, well inside
-its 30 s session) while the generate worker turns every request into chunks, read here
-until each request's final one; then it is continued (SIGCONT) and turns that backlog into
-results. Two rows per load: `generate` (tokens/s from the first request sent to the last
-final chunk read, its ratio to the engine alone: goal (a); how old a chunk is when read
-here, from its `sampled_at_ns`) and `derender` (tokens/s from SIGCONT to the last final
-result, its CPU per token alone with the broker: goal (b)).
+its 30 s session) while the generate worker turns every request into chunks; nothing
+here reads them meanwhile (a reader took CPU from the stage on 2 cores): once the worker's
+metrics say it ended every request, the chunks are read from the log. Then the derender is
+continued (SIGCONT) and turns that backlog into results. Two rows per load: `generate`
+(tokens/s from the first request sent to the last final chunk's append, and between the
+appends of the first 10% and 90% of the tokens, their ratio to the engine alone: goal (a);
+ages: a chunk's newest token, from its sampling to the chunk log; before 2026-12-04 the
+chunks were read during the stage and this was the time until read here) and `derender`
+(tokens/s from SIGCONT to the last final result, its CPU per token alone with the broker:
+goal (b)). Run the broker as Kafka's own scripts do for these (`GENPIPE_BROKER_JAVA_OPTS`,
+BENCHMARKS.md): the local broker's default, a small heap with the serial collector, pauses
+it ~20 ms about every second at these rates, and those pauses made the latency's p99.
 
 With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (an absolute path: a
 reference's workers run in its worktree), each side's rows also give the garbage
@@ -71,6 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 from soak import free_port  # noqa: E402  (ops/bench/soak.py)
+from pipeline import log_append_time, pct  # noqa: E402  (ops/bench/pipeline.py)
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -164,19 +183,23 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     return procs
 
 
-def hold_buckets(port: int) -> dict[float, float] | None:
-    """genpipe_chunk_hold_seconds of the generate worker on `port`: cumulative count by
-    bucket bound; None when it is not served (code from before the metric)."""
+def scrape(port: int) -> list | None:
+    """The metric families the generate worker on `port` serves; None when it serves none."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            text = response.read().decode()
+            return list(text_string_to_metric_families(response.read().decode()))
     except OSError:
         return None
-    for family in text_string_to_metric_families(text):
+
+
+def hold_buckets(port: int) -> dict[float, float] | None:
+    """genpipe_chunk_hold_seconds of the generate worker on `port`: cumulative count by
+    bucket bound; None when it is not served (code from before the metric)."""
+    for family in scrape(port) or ():
         if family.name == "genpipe_chunk_hold_seconds":
             return {float(sample.labels["le"]): sample.value for sample in family.samples
                     if sample.name.endswith("_bucket")}
@@ -292,60 +315,191 @@ def read_result(record) -> tuple[str | None, float, bool, int]:
 _chunk_end = msgspec.msgpack.Decoder(_ChunkEnd)
 
 
-def read_chunk(record) -> tuple[str | None, float, bool, int]:
-    chunk = _chunk_end.decode(record.value)
-    age = max(0.0, (time.time_ns() - chunk.sampled_at_ns) / 1e9)
-    final = chunk.finish_reason is not None
-    return (chunk.request_id if final else None), age, final and chunk.finish_reason == "error", len(chunk.token_ids)
+class ChunkReader:
+    """The generate stage's chunk records, read from the log once the stage is over (see
+    `generate_stage`): every token's time from its sampling to the chunk log (`to_log`,
+    seconds; the record's timestamp is the broker's append time: see above), the newest
+    token's (`newest`), tokens by append time (`logged`), and the finals."""
+
+    def __init__(self, wanted: set[str]):
+        self.wanted = wanted
+        self.to_log: list[float] = []
+        self.newest: list[float] = []
+        self.logged: list[tuple[int, int]] = []  # (append time ms, tokens)
+        self.finals: set[str] = set()
+        self.failed: list[str] = []
+        self.records = 0
+        self._newest: dict[str, int] = {}  # request id -> its last chunk's newest token (sampled_at_ns)
+
+    def __call__(self, record) -> None:
+        chunk = _chunk_end.decode(record.value)
+        if chunk.request_id not in self.wanted:
+            return  # (the warm-up's)
+        self.records += 1
+        n, logged = len(chunk.token_ids), record.timestamp * 1_000_000
+        if n:
+            newest = chunk.sampled_at_ns
+            last = self._newest.get(chunk.request_id)
+            step = (newest - last) / n if last is not None else 0.0
+            self.to_log.extend(max(0.0, (logged - newest + step * (n - 1 - i)) / 1e9) for i in range(n))
+            self.newest.append(max(0.0, (logged - newest) / 1e9))
+            self._newest[chunk.request_id] = newest
+            self.logged.append((record.timestamp, n))
+        if chunk.finish_reason is not None:
+            self.finals.add(chunk.request_id)
+            if chunk.finish_reason == "error":
+                self.failed.append(f"{chunk.request_id}: {chunk.error}")
 
 
-async def run_load(settings: KafkaSettings, args, k: int, between=None) -> dict:
+async def generate_stage(settings: KafkaSettings, wanted: set[str], started_ns: int) -> dict:
+    """The generate stage's figures (--each-alone), from its chunks read once every
+    request's final chunk is out (nothing here reads while the stage runs: a reader here
+    took CPU from it on a 2-core box, and a chunk's time to the log does not need one)."""
+    from workers.kafka.clients import make_consumer
+    from workers.kafka.follow import assign_all, batches
+
+    consumer = make_consumer(settings, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    reader, deadline = ChunkReader(wanted), time.monotonic() + 120
+    try:
+        await assign_all(consumer, settings.topic("chunks"), started_ns // 1_000_000)
+        async for records in batches(consumer):
+            for record in records:
+                reader(record)
+            if wanted <= reader.finals:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(reader.finals)} of {len(wanted)} final chunks in the log")
+    finally:
+        await consumer.stop()
+    if reader.failed:
+        raise LoadFailed(f"{len(reader.failed)} of {len(wanted)} requests ended with an error, e.g. {reader.failed[0]}")
+    reader.logged.sort()
+    progress, units = [], 0
+    for ms, n in reader.logged:
+        units += n
+        progress.append((ms / 1000, units))
+    return {"gen_elapsed": (reader.logged[-1][0] * 1_000_000 - started_ns) / 1e9, "gen_sustained": sustained(progress),
+            "chunks_read": reader.records, "chunk_p50": pct(reader.newest, 0.5), "chunk_p99": pct(reader.newest, 0.99),
+            "to_log": (pct(reader.to_log, 0.5), pct(reader.to_log, 0.99))}
+
+
+def finished_requests(port: int) -> int:
+    """Requests the generate worker on `port` has ended (its genpipe_requests_total, every
+    outcome but taken in)."""
+    families = scrape(port)
+    if families is None:
+        raise RuntimeError(f"the generate worker serves no metrics on port {port}")
+    return int(sum(sample.value for family in families for sample in family.samples
+                   if sample.name == "genpipe_requests_total"
+                   and sample.labels.get("outcome") not in ("accepted", "skipped")))
+
+
+async def produce_floor(settings: KafkaSettings, per_s: float, record_bytes: int, step_s: float,
+                        seconds: float = 3.0, partitions: int = 8) -> list[float]:
+    """The bare produce floor (see above): `per_s` records of `record_bytes` a second to
+    the floor's chunks topic, one batch per partition every `step_s`; each record's
+    send -> log append, seconds, sorted."""
+    from workers.kafka.clients import make_producer
+
+    topic = settings.topic("chunks")
+    producer = make_producer(settings)
+    await producer.start()
+    value, sent, owed, turn, steps = b"x" * record_bytes, [], 0.0, 0, 0
+    try:
+        for partition in range(partitions):  # (warm-up: leaders elected, connections made)
+            await producer.send_and_wait(topic, value, partition=partition)
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            steps += 1
+            owed += per_s * step_s
+            count, owed = int(owed), owed - int(owed)
+            counts = [count // partitions + (1 if (p - turn) % partitions < count % partitions else 0)
+                      for p in range(partitions)]
+            turn += count
+            at = time.time_ns()
+            for partition, n in enumerate(counts):
+                if n:
+                    batch = producer.create_batch()
+                    for _ in range(n):
+                        batch.append(key=None, value=value, timestamp=None)
+                    batch.close()
+                    sent.append((await producer.send_batch(batch, topic, partition=partition), at, n))
+            await asyncio.sleep(max(0.0, started + steps * step_s - time.perf_counter()))  # (the next step)
+        latencies = []
+        for future, at, n in sent:
+            logged = (await future).timestamp * 1_000_000
+            latencies += [max(0.0, (logged - at) / 1e9)] * n
+    finally:
+        await producer.stop()
+    return sorted(latencies)
+
+
+async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_port: int = 0) -> dict:
     """Send every request at once; read results until each has its final one. With
-    `between` (--each-alone), read the chunks until each request's final one first, then
-    call `between()` (which continues the stopped derender) and read the results."""
+    `between` (--each-alone), wait until the generate worker (metrics on `metrics_port`)
+    has ended every request and take the stage's figures from the chunk log
+    (`generate_stage`), then call `between()` (which continues the stopped derender) and
+    read the results."""
     from schemas import encode, headers_for
     from workers.kafka.clients import make_consumer, make_producer
     from workers.kafka.follow import assign_all
 
-    readers = {}
-    for topic in ("chunks", "results") if between is not None else ("results",):
-        readers[topic] = make_consumer(settings, group_id=None, auto_offset_reset="latest")
-        await readers[topic].start()
-        await assign_all(readers[topic], settings.topic(topic), None)
+    results = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    await results.start()
+    await assign_all(results, settings.topic("results"), None)
     producer = make_producer(settings)
     await producer.start()
     requests = make_requests(args, k, args.requests)
     wanted = {r.request_id for r in requests}
     out = {"tokens": args.requests * args.max_tokens}
-    # The first stage's records are read while the requests are still being sent: read
-    # after the sending, the records made meanwhile (~1 s of them at 12,288 requests)
-    # were old when read because this process was busy, and made the chunk age's p99.
-    if between is not None:
-        reading = asyncio.ensure_future(read_to_finals(readers["chunks"], wanted, "chunk", read_chunk))
-    else:
-        reading = asyncio.ensure_future(read_to_finals(readers["results"], wanted, "result", read_result))
-    started = time.perf_counter()
+    # Results are read while the requests are still being sent: read after the sending,
+    # the records made meanwhile (~1 s of them at 12,288 requests) were old when read
+    # because this process was busy, and made the age's p99.
+    reading = (asyncio.ensure_future(read_to_finals(results, wanted, "result", read_result))
+               if between is None else None)
+    ended_before = finished_requests(metrics_port) if between is not None else 0
+    started, started_ns = time.perf_counter(), time.time_ns()
     try:
         for r in requests:
             await producer.send(settings.topic("requests"), encode(r), key=r.request_id.encode(),
                                 headers=headers_for(r))
         await producer.flush()
         if between is not None:
-            chunks_done, ages, out["chunks_read"], _, out["gen_sustained"] = await reading
-            out.update(gen_elapsed=chunks_done - started, chunk_p50=ages[len(ages) // 2],
-                       chunk_p99=ages[int(len(ages) * 0.99)])
+            deadline = time.monotonic() + 600
+            while finished_requests(metrics_port) < ended_before + len(requests):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the generate worker did not end every request in 600 s")
+                await asyncio.sleep(0.1)  # polling the worker's counter: the stage's end, not a race
+            out.update(await generate_stage(settings, wanted, started_ns))
             between()
             started = time.perf_counter()
-            reading = asyncio.ensure_future(read_to_finals(readers["results"], wanted, "result", read_result))
+            reading = asyncio.ensure_future(read_to_finals(results, wanted, "result", read_result))
         done, ages, out["results"], out["result_bytes"], per_s = await reading
         out["sustained"] = per_s * out["tokens"] / max(out["results"], 1)  # results/s as tokens/s
     finally:
-        reading.cancel()
+        if reading is not None:
+            reading.cancel()
         await producer.stop()
-        for reader in readers.values():
-            await reader.stop()
+        await results.stop()
     out.update(elapsed=done - started, p50=ages[len(ages) // 2], p99=ages[int(len(ages) * 0.99)])
     return out
+
+
+async def drop_topics(*every: KafkaSettings) -> None:
+    """Delete a run's topics: a broker holding every earlier run's (~100 partitions a run)
+    grew slower, and runs late in a session paused more (a stage's latency p99 read 40-70 ms
+    against 10-25 on a fresh broker, same code)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from workers.kafka.settings import TOPIC_ROLES
+
+    admin = AIOKafkaAdminClient(**every[0].client_kwargs())
+    await admin.start()
+    try:
+        await admin.delete_topics([settings.topic(role) for settings in every for role in TOPIC_ROLES])
+    finally:
+        await admin.close()
 
 
 async def chunk_stats(settings: KafkaSettings) -> tuple[int, int]:
@@ -376,6 +530,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
     asyncio.run(create_topics(settings, partitions=8))
+    if args.each_alone:
+        asyncio.run(log_append_time(settings, ("chunks",)))  # (goal (a): each token's time to the chunk log)
     metrics_port = free_port()
     procs = start_workers(settings, args, log_dir, code, metrics_port)
     try:
@@ -399,8 +555,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
 
         if args.each_alone:
             os.kill(pids["der"], signal.SIGSTOP)
-        run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None),
-                                        log_dir))
+        run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None,
+                                                        metrics_port), log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
         held_after = hold_buckets(metrics_port)
         ended = time.time()
@@ -415,12 +571,23 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
                 pass  # it exited, and all its group with it
         for proc in procs.values():
             proc.wait(60)
+    floor = None
+    if args.each_alone:  # the workers are gone: the floor has the broker to itself
+        floor_settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
+                                       topic_prefix=f"tpfloor-{uuid.uuid4().hex[:6]}")
+        asyncio.run(create_topics(floor_settings, partitions=8))
+        asyncio.run(log_append_time(floor_settings, ("chunks",)))
+        per_s, size = run["chunks_read"] / run["gen_elapsed"], chunk_bytes // max(chunks, 1)
+        latencies = asyncio.run(produce_floor(floor_settings, per_s, size, args.step_ms / 1000))
+        floor = (per_s, size, pct(latencies, 0.5), pct(latencies, 0.99))
+        asyncio.run(drop_topics(floor_settings))
+    asyncio.run(drop_topics(settings))
     tokens = run["tokens"]
     hold = ((bucket_quantile(0.5, held_before, held_after), bucket_quantile(0.99, held_before, held_after))
             if held_before is not None and held_after is not None else (None, None))
     return {**run, "per": {name: (after[name] - before[name]) / tokens * 1e6 for name in before},
             "rate": tokens / run["elapsed"], "chunks": chunks, "chunk_bytes": chunk_bytes, "hold": hold,
-            "collector": collector}
+            "collector": collector, "floor": floor}
 
 
 def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
@@ -443,6 +610,13 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
     if hold_p50 is not None:
         print(f"    {code}: a chunk's oldest token held in the generate worker (genpipe_chunk_hold_seconds) "
               f"p50 {hold_p50 * 1000:.1f} ms, p99 {hold_p99 * 1000:.1f} ms")
+    if row.get("floor") is not None:
+        (p50, p99), (per_s, size, floor_p50, floor_p99) = row["to_log"], row["floor"]
+        bound = 3 * args.step_ms / 1000 + floor_p99
+        print(f"    {code}: each token, sampled -> chunk log: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms; "
+              f"bare produce floor ({per_s:,.0f} records/s of {size} B): p50 {floor_p50 * 1000:.1f} ms, "
+              f"p99 {floor_p99 * 1000:.1f} ms; goal (a), p99 <= 3 steps + floor p99 = {bound * 1000:.1f} ms: "
+              f"{'met' if p99 <= bound else 'not met'}")
     if args.each_alone:
         print(f"{load} {'generate':>9} {rates(row['tokens'] / row['gen_elapsed'], row['gen_sustained'])} "
               f"{per['gen']:>10.1f} {per['engine']:>13.1f} {'':>15} {chunks} {'':>17} "
