@@ -364,3 +364,30 @@ async def test_a_loop_turn_stuck_at_shutdown_is_cut_short_and_its_record_is_not_
     tp = TopicPartition(source, 0)
     committed = await committed_offsets(kafka_settings, group, [tp])
     assert committed[tp].offset == 1, committed  # past "first", not past "stuck"
+
+
+async def test_records_published_while_their_partitions_batch_waits_for_the_sender_leave_with_it(kafka_settings):
+    """aiokafka's sender sends one produce request at a time to a broker, so a partition's
+    batch can still be queued when the next publish step comes. That step's records join
+    it (workers/kafka/publisher.py `_join_queued`) rather than wait for it to leave and go
+    a produce round trip later (after a pause of the broker every step waited in turn:
+    ops/bench/publish_join.py). They arrive once each, in order, in the same batch."""
+    await create_topics(kafka_settings, partitions=1)
+    topic = kafka_settings.topic("chunks")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, kafka_settings.topic("dlq"))
+        await publisher.partition_count(topic)
+        await producer.client._wait_on_metadata(topic)
+        first = await publisher.publish_batch([Outgoing(topic, "a", Cancel(request_id="a"), partition=0)])
+        # (nothing has yielded to the sender since: the first batch is still queued)
+        second = await publisher.publish_batch([Outgoing(topic, key, Cancel(request_id=key), partition=0)
+                                                for key in ("b", "c")])
+        answers = await asyncio.gather(*first, *second)
+    finally:
+        await producer.stop()
+    assert {answer.offset for answer in answers} == {0}  # one batch, at the partition's start
+    records = await read_topic(kafka_settings, topic, until=lambda r: len(r) >= 3)
+    assert [r.key for r in records] == [b"a", b"b", b"c"]
+    assert [decode_message(r, Cancel).request_id for r in records] == ["a", "b", "c"]

@@ -80,6 +80,9 @@ class Publisher:
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
         self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
+        # Each partition's last batch handed over, while the sender has not taken it: the
+        # next records for the partition join it (`_join_queued`).
+        self._open: dict[TopicPartition, tuple] = {}
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -163,6 +166,9 @@ class Publisher:
             else:
                 futures[i] = await self.publish(record)
         for (topic, partition), indexes in groups.items():
+            tp = TopicPartition(topic, partition)
+            if self._open and not (self.lanes and tp in self.lanes):  # (a lane's records go first)
+                indexes = indexes[self._join_queued(tp, records, indexes, futures):]
             batch, members = self.producer.create_batch(), []
             for i in indexes:
                 record = records[i]
@@ -178,16 +184,44 @@ class Publisher:
     async def _send_batch(self, batch, topic: str, partition: int, members: list[int], futures: list) -> None:
         if not members:
             return
-        batch.close()
         tp = TopicPartition(topic, partition)
         if tp in self.lanes or not await self._room_for(tp):
+            batch.close()
             future = await self.lanes.add(tp, batch, batch.size())
         else:
             future = await self._enqueue(topic, partition, lambda: self.producer.send_batch(batch, topic, partition=partition))
+            queued = self._queued.get(tp) if self._queued is not None else None
+            if queued and getattr(queued[-1], "_builder", None) is batch:  # (left open: aiokafka allows it)
+                self._open[tp] = (queued[-1], future)
+            else:
+                batch.close()
         self.in_flight += len(members) - 1  # _track counts one
         self._track(future, len(members))
         for i in members:
             futures[i] = future
+
+    def _join_queued(self, tp: TopicPartition, records: list[Outgoing], indexes: list[int], futures: list) -> int:
+        """Append records (`indexes` of `records`, in order) to the partition's last batch
+        while the sender has not taken it; how many fit. Without this a publish step
+        waited for that batch to leave (`_room_for`), and its records for the request
+        after it: after a pause of the broker every step waited a produce round trip in
+        turn. Joined, they leave with it. A batch the sender took (it is numbered then:
+        nothing may be added) is no longer in the partition's queue."""
+        message_batch, future = self._open[tp] if tp in self._open else (None, None)
+        queued = self._queued.get(tp) if message_batch is not None else None
+        if not queued or queued[-1] is not message_batch:
+            self._open.pop(tp, None)
+            return 0
+        builder, joined = message_batch._builder, 0
+        for i in indexes:
+            if _append(builder, records[i]) is None:  # full (now closed)
+                break
+            futures[i] = future
+            joined += 1
+        if joined:
+            self.in_flight += joined - 1  # _track counts one
+            self._track(future, joined)
+        return joined
 
     async def _room_for(self, tp: TopicPartition) -> bool:
         """Whether the producer takes a batch for `tp` now, or once the batch it holds for it
