@@ -167,7 +167,9 @@ class Publisher:
                 futures[i] = await self.publish(record)
         for (topic, partition), indexes in groups.items():
             tp = TopicPartition(topic, partition)
-            if self._open and not (self.lanes and tp in self.lanes):  # (a lane's records go first)
+            # (A lane opens only once the queued batch is full, so none can be joined then;
+            # the check keeps a lane's records first should that change.)
+            if self._open and not (self.lanes and tp in self.lanes):
                 indexes = indexes[self._join_queued(tp, records, indexes, futures):]
             batch, members = self.producer.create_batch(), []
             for i in indexes:
