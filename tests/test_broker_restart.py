@@ -56,8 +56,13 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
                                    topic_prefix="restart")
     workers = WorkerProcesses(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    # "away": 10 logprobs a token make ~0.5 kB of chunk per token, so a partition's queued
+    # batch fills (256 kB: records join it while it waits, workers/kafka/publisher.py) well
+    # within the outage, and the sends after it find no room.
+    logprobs = {"logprobs": 10} if how == "away" else {}
     requests = [make_request(tokenizer.encode(prompt), kind="completion", request_id=f"br-{i}", max_tokens=320,
-                             temperature=0, ignore_eos=True, stream=True) for i, prompt in enumerate(PROMPTS)]
+                             temperature=0, ignore_eos=True, stream=True, **logprobs)
+                for i, prompt in enumerate(PROMPTS)]
     try:
         await make_topics(settings, partitions=2)
         common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
