@@ -488,6 +488,14 @@ async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_
     return out
 
 
+async def timed_topics(settings: KafkaSettings) -> None:
+    """A run's topics, 8 partitions each, the chunks topic with the broker's append time."""
+    from workers.broker.topics import create_topics
+
+    await create_topics(settings, partitions=8)
+    await log_append_time(settings, ("chunks",))
+
+
 async def drop_topics(*every: KafkaSettings) -> None:
     """Delete a run's topics: a broker holding every earlier run's (~100 partitions a run)
     grew slower, and runs late in a session paused more (a stage's latency p99 read 40-70 ms
@@ -528,12 +536,8 @@ async def while_running(procs: dict[str, subprocess.Popen], work, log_dir: Path)
 
 def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
     """One run of the workers (this checkout, or `code`) on a fresh topic prefix."""
-    from workers.broker.topics import create_topics
-
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
-    asyncio.run(create_topics(settings, partitions=8))
-    if args.each_alone:
-        asyncio.run(log_append_time(settings, ("chunks",)))  # (goal (a): each token's time to the chunk log)
+    asyncio.run(timed_topics(settings))  # (goal (a): each token's time to the chunk log)
     metrics_port = free_port()
     procs = start_workers(settings, args, log_dir, code, metrics_port)
     try:
@@ -577,8 +581,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
     if args.each_alone:  # the workers are gone: the floor has the broker to itself
         floor_settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers,
                                        topic_prefix=f"tpfloor-{uuid.uuid4().hex[:6]}")
-        asyncio.run(create_topics(floor_settings, partitions=8))
-        asyncio.run(log_append_time(floor_settings, ("chunks",)))
+        asyncio.run(timed_topics(floor_settings))
         per_s, size = run["chunks_read"] / run["gen_elapsed"], chunk_bytes // max(chunks, 1)
         latencies = asyncio.run(produce_floor(floor_settings, per_s, size, args.step_ms / 1000))
         floor = (per_s, size, pct(latencies, 0.5), pct(latencies, 0.99))

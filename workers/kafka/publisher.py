@@ -197,7 +197,6 @@ class Publisher:
                 self._open[tp] = (queued[-1], future)
             else:
                 batch.close()
-        self.in_flight += len(members) - 1  # _track counts one
         self._track(future, len(members))
         for i in members:
             futures[i] = future
@@ -221,7 +220,6 @@ class Publisher:
             futures[i] = future
             joined += 1
         if joined:
-            self.in_flight += joined - 1  # _track counts one
             self._track(future, joined)
         return joined
 
@@ -321,7 +319,7 @@ class Publisher:
         return gone
 
     def _track(self, future: asyncio.Future, records: int = 1) -> None:
-        self.in_flight += 1
+        self.in_flight += records
         future.add_done_callback(lambda f: self._done(f, records))
 
     def _done(self, future: asyncio.Future, records: int) -> None:
