@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiokafka import TopicPartition
@@ -391,3 +392,143 @@ async def test_records_published_while_their_partitions_batch_waits_for_the_send
     records = await read_topic(kafka_settings, topic, until=lambda r: len(r) >= 3)
     assert [r.key for r in records] == [b"a", b"b", b"c"]
     assert [decode_message(r, Cancel).request_id for r in records] == ["a", "b", "c"]
+
+
+class BusyHandler(Handler):
+    """Spends `busy_s` of CPU on each record without awaiting anything that waits (as a
+    worker decoding and admitting a request does), and notes, for each record, the poll it
+    came in (`tick` ends each poll) and how far a ticker task beside the loop had got."""
+
+    def __init__(self, offsets, ticker: list[int], busy_s: float = 0.0002):
+        self.offsets = offsets
+        self.ticker = ticker
+        self.busy_s = busy_s
+        self.polls = 0
+        self.handled: list[tuple[int, int]] = []  # (poll, ticker) per record
+        self.values: set[bytes] = set()
+
+    async def handle(self, message):
+        end = time.monotonic() + self.busy_s
+        while time.monotonic() < end:
+            pass
+        self.handled.append((self.polls, self.ticker[0]))
+        self.values.add(message.value)
+        self.offsets.hold(message)()
+
+    async def tick(self):
+        if self.handled and self.handled[-1][0] == self.polls:
+            self.polls += 1
+
+
+async def test_a_polls_records_leave_the_event_loop_to_other_work_between_slices(kafka_settings):
+    """A poll returns up to max_records records. Handled in one go, 256 new requests held
+    the generate worker's loop for 5-20 ms, and every engine step and producer ack waited
+    behind them. The loop hands the event loop back every `slice_s` of handling: another
+    task runs while one poll's records are handled, not only between polls."""
+    await create_topics(kafka_settings, partitions=1)
+    source = kafka_settings.topic("requests")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        batch = producer.create_batch()
+        for i in range(300):
+            assert batch.append(key=b"k", value=b"%d" % i, timestamp=None) is not None
+        await (await producer.send_batch(batch, source, partition=0))
+    finally:
+        await producer.stop()
+    ticker = [0]
+
+    async def tick_forever():
+        while True:
+            ticker[0] += 1
+            await asyncio.sleep(0)
+
+    offsets = PartitionOffsets()
+    handler = BusyHandler(offsets, ticker)
+    consumer_loop = ConsumerLoop(kafka_settings, source, f"{kafka_settings.topic_prefix}-sliced", handler, offsets,
+                                 slice_s=0.002)
+    stop = asyncio.Event()
+    ticking = asyncio.ensure_future(tick_forever())
+    task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=1))
+    try:
+        await wait_for(lambda: len(handler.handled) >= 300 or task.done(), what="300 records handled")
+        assert not task.done(), task.exception()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        ticking.cancel()
+    polls: dict[int, list[int]] = {}
+    for poll, seen in handler.handled:
+        polls.setdefault(poll, []).append(seen)
+    poll, seen = max(polls.items(), key=lambda item: len(item[1]))
+    assert len(seen) >= 100, f"the records came in small polls: {[len(s) for s in polls.values()]}"
+    # 0.2 ms a record, a slice of 2 ms: the ticker runs every ~10 records of the poll
+    # (in one go it would not run until the poll's last record was handled).
+    longest = max(seen.count(value) for value in set(seen))
+    assert longest <= 40, f"{longest} records of one poll were handled without the loop's other work running"
+
+
+class RevokeWatchingHandler(BusyHandler):
+    """BusyHandler that also notes every record handled while its partition was revoked
+    (after `on_revoked`, before the partition was assigned again)."""
+
+    def __init__(self, offsets, ticker, busy_s):
+        super().__init__(offsets, ticker, busy_s)
+        self.revoked: set[TopicPartition] = set()
+        self.revokes = 0
+        self.while_revoked: list[tuple[TopicPartition, int]] = []
+
+    async def handle(self, message):
+        tp = TopicPartition(message.topic, message.partition)
+        if tp in self.revoked:
+            self.while_revoked.append((tp, message.offset))
+        await super().handle(message)
+
+    async def on_revoked(self, partitions):
+        self.revokes += 1
+        self.revoked.update(partitions)
+
+    async def on_assigned(self, partitions, committed):
+        self.revoked.difference_update(partitions)
+
+
+async def test_a_rebalance_stops_a_polls_records_where_it_is_and_none_is_lost(kafka_settings):
+    """Slices leave room for the group's rebalance to run while a poll's records are being
+    handled. Once it has taken the partitions, the rest of the poll is not handled by the
+    worker that no longer owns them: their owner reads on from the commit. Every record is
+    still handled by a member."""
+    await create_topics(kafka_settings, partitions=2)
+    source = kafka_settings.topic("requests")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        for partition in (0, 1):
+            batch = producer.create_batch()
+            for i in range(1500):
+                assert batch.append(key=None, value=b"%d-%d" % (partition, i), timestamp=None) is not None
+            await (await producer.send_batch(batch, source, partition=partition))
+    finally:
+        await producer.stop()
+    group = f"{kafka_settings.topic_prefix}-rebalanced"
+    quick = {"heartbeat_interval_ms": 100}
+    first_offsets, second_offsets = PartitionOffsets(), PartitionOffsets()
+    first = RevokeWatchingHandler(first_offsets, [0], busy_s=0.001)
+    second = RevokeWatchingHandler(second_offsets, [0], busy_s=0.0)
+    first_loop = ConsumerLoop(kafka_settings, source, group, first, first_offsets, slice_s=0.002,
+                              consumer_overrides=quick, commit_interval_s=0.1)
+    second_loop = ConsumerLoop(kafka_settings, source, group, second, second_offsets,
+                               consumer_overrides=quick, commit_interval_s=0.1)
+    stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(first_loop.run(stop, grace_s=1))]
+    try:
+        await wait_for(lambda: len(first.handled) >= 100 or tasks[0].done(), what="the first member under way")
+        tasks.append(asyncio.ensure_future(second_loop.run(stop, grace_s=1)))
+        await wait_for(lambda: first.revokes >= 1 or any(t.done() for t in tasks), what="a rebalance")
+        await wait_for(lambda: len(first.values | second.values) >= 3000 or any(t.done() for t in tasks),
+                       what="every record handled")
+        assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    assert first.while_revoked == [], f"{len(first.while_revoked)} records handled after their partition was revoked"
+    assert first.values | second.values == {b"%d-%d" % (p, i) for p in (0, 1) for i in range(1500)}

@@ -80,7 +80,8 @@ class ConsumerLoop:
                  offsets: PartitionOffsets, *,
                  commit_interval_s: float = 0.5, poll_timeout_ms: int = 20, max_records: int = 500,
                  group_instance_id: str | None = None, consumer_overrides: dict | None = None,
-                 worker: str = "worker", assignor: str = "sticky", shutdown_wait_s: float = 10.0):
+                 worker: str = "worker", assignor: str = "sticky", shutdown_wait_s: float = 10.0,
+                 slice_s: float = 0.001):
         self.settings = settings
         # Shutdown: how long the loop's last turn, the last commit and the consumer's stop
         # may take each (all wait on the broker: _stop_turn, _final_commit, _stop_consumer).
@@ -92,6 +93,11 @@ class ConsumerLoop:
         self.commit_interval_s = commit_interval_s
         self.poll_timeout_ms = poll_timeout_ms
         self.max_records = max_records
+        # A poll's records are handled in slices of about this long, the event loop's other
+        # work running between them. In one go, a poll of 256 new requests held the
+        # generate worker's loop for 5-20 ms, and every engine step and producer ack
+        # waited behind it (BENCHMARKS.md, "A poll's records in slices").
+        self.slice_s = slice_s
         self.offsets = offsets  # shared with the handler, which holds offsets through it
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         # The periodic commit runs beside the loop: awaited in line it stopped the loop for
@@ -106,6 +112,7 @@ class ConsumerLoop:
         # records of a new partition while the callback is still awaiting (reading the
         # commit metadata); those are re-fetched once the handler knows the partition.
         self._ready: set[TopicPartition] = set()
+        self._revokes = 0  # rebalances that took partitions: a poll's records stop at one
         overrides = dict(consumer_overrides or {})
         if group_instance_id:
             overrides["group_instance_id"] = group_instance_id  # static membership: no rebalance on quick restart
@@ -195,6 +202,7 @@ class ConsumerLoop:
                 revoked = list(revoked)
                 if not revoked:
                     return
+                loop._revokes += 1  # (before any await: the loop's turn stops at its next record)
                 log.info("partitions revoked: %s", _names(revoked))
                 await loop.handler.on_revoked(revoked)
                 await loop._commit_settled()
@@ -291,12 +299,23 @@ class ConsumerLoop:
         last_commit = time.monotonic()
         while not stop.is_set():
             batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=self.max_records)
+            revokes, sliced_at = self._revokes, time.monotonic()
             for tp, messages in batch.items():
+                if self._revokes != revokes:
+                    break
                 if tp not in self._ready:
                     self.consumer.seek(tp, messages[0].offset)
                     continue
                 tracker = self.offsets.tracker(tp)
                 for message in messages:
+                    if time.monotonic() - sliced_at >= self.slice_s:
+                        await asyncio.sleep(0)  # the loop's other work runs (see slice_s)
+                        sliced_at = time.monotonic()
+                    if self._revokes != revokes:
+                        # A rebalance began while this turn waited: the rest of the poll is
+                        # not handled here. Every partition is read on from where the
+                        # assignment puts it (the commit, or this worker's own offset).
+                        break
                     tracker.seen(message.offset)
                     try:
                         await self.handler.handle(message)
