@@ -63,9 +63,10 @@ collector's CPU in the generate worker, its engine child and the derender, µs p
 from the end of their start-up (what workers/gc_tuning.py is about).
 
 --reference REV also runs the workers of git revision REV (a worktree under /tmp) on the
-same load right before each contender run, and prints the ratio of each stage's CPU per
-token: what the changes since REV bought, measured in one run (with --text ascii or cjk,
-REV must know `--synthetic-tokens`).
+same load right before each contender run (right after it with --this-first: alternate
+the order across runs, as a box's speed drifts), and prints the ratio of each stage's CPU
+per token, and with --each-alone of each token's p99 latency: what the changes since REV
+bought, measured in one run (with --text ascii or cjk, REV must know `--synthetic-tokens`).
 """
 
 from __future__ import annotations
@@ -649,6 +650,9 @@ def main() -> None:
     parser.add_argument("--each-alone", action="store_true",
                         help="each stage at its own saturation: generate first, then the derender (see above)")
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
+    parser.add_argument("--this-first", action="store_true",
+                        help="with --reference: run this checkout's workers first (the reference runs first by "
+                             "default; alternate the two across runs, as a box's speed drifts)")
     parser.add_argument("--generate-args", default="", metavar="ARGS",
                         help="more generate-worker options, for both codes, e.g. '--max-chunk-rate 0' (the chunk "
                              "policy's trade-offs: docs/design.md §4)")
@@ -670,19 +674,24 @@ def main() -> None:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
                 offered = engine_alone(load, k)
                 print(f"    engine alone: {offered:,.0f} tok/s")
+                sides = [(f"{args.reference[:9]}", reference)] if reference is not None else []
+                sides.insert(0 if args.this_first else len(sides), ("this", None))
+                rows = {}
                 try:
-                    if reference is not None:
-                        before = measure(load, k, log_dir, reference)
-                        print_row(f"{args.reference[:9]}", k, load, before, offered)
-                    row = measure(load, k, log_dir, None)
+                    for code, checkout in sides:
+                        rows[code] = measure(load, k, log_dir, checkout)
+                        print_row(code, k, load, rows[code], offered)
                 except LoadFailed as exc:  # e.g. completions' logprobs=20 (21 candidates) over --max-logprobs
                     print(f"{'':<9} {kind:<10} {text:<9} {k:>3} not measured: {exc}")
                     continue
-                print_row("this", k, load, row, offered)
                 if reference is not None:
+                    row, before = rows["this"], rows[args.reference[:9]]
+                    latency = (f"; each token's p99 reference / this {before['to_log'][1] / max(row['to_log'][1], 1e-9):.2f}x"
+                               if "to_log" in row else "")
                     print("    CPU per token, reference / this: " + ", ".join(
                         f"{name} {before['per'][name] / max(row['per'][name], 1e-9):.2f}x"
-                        for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x")
+                        for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x"
+                        + latency)
     print(f"(worker logs: {log_dir}; chunk counts include the warm-up's 8 requests)")
 
 
