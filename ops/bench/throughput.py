@@ -55,7 +55,11 @@ chunks were read during the stage and this was the time until read here) and `de
 (tokens/s from SIGCONT to the last final result, its CPU per token alone with the broker:
 goal (b)). Run the broker as Kafka's own scripts do for these (`GENPIPE_BROKER_JAVA_OPTS`,
 BENCHMARKS.md): the local broker's default, a small heap with the serial collector, pauses
-it ~20 ms about every second at these rates, and those pauses made the latency's p99.
+it ~20 ms about every second at these rates, and those pauses made the latency's p99. Keep
+its data on tmpfs (`genpipe broker up --data-dir /dev/shm/broker-29592`): on this project's
+VMs' disk the broker's own appends sometimes took 69-404 ms, in about a quarter of the
+runs, on both codes alike, and none did in 16 runs on tmpfs (BENCHMARKS.md, "A poll's
+records in slices").
 
 With GENPIPE_GC_PROBE=DIR and PYTHONPATH=$PWD/ops/bench/gc_probe (an absolute path: a
 reference's workers run in its worktree), each side's rows also give the garbage
