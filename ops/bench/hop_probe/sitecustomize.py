@@ -6,9 +6,9 @@ benches; nothing in genpipe imports it).
         python ops/bench/throughput.py ... --each-alone
     python ops/bench/hop_probe/report.py /tmp/hops
 
-Each process appends one line per event to GENPIPE_HOP_PROBE/<pid>.tsv, every time the
-wall clock in ns (the engine stamps `sampled_at_ns` with it; one clock for all
-processes), keyed by the engine step's `sampled_at_ns`:
+Each process appends one line per event to GENPIPE_HOP_PROBE/<pid>.tsv. Every time is
+wall-clock ns (the engine stamps `sampled_at_ns` with that clock, and all processes share
+it), and a step's lines are keyed by its `sampled_at_ns`:
 - `out  sampled  enter  written`: the engine process's outbox takes a step (the token
   holder, workers/generate/token_holder.py), and has written what it hands on;
 - `in  sampled  read  handled`: the worker's event loop read the bytes that completed the
@@ -18,7 +18,8 @@ processes), keyed by the engine step's `sampled_at_ns`:
   had its batches queued in the producer;
 - `admit  0  start  end  admitted`: the worker moved waiting requests into the engine;
 - `slow  0  start  end  callback`: a generate worker's event-loop callback of 1 ms or more
-  (a task's step is named by its coroutine);
+  (a task's step is named by its coroutine). Only on asyncio's own loop
+  (`--generate-args '--event-loop asyncio'`): uvloop's handles are not Python's;
 - `gc  0  start  end  generation`: a garbage collection of 0.5 ms or more.
 The wrappers are patched in as the modules are imported (a meta path hook), so the
 code measured is the checkout's own. Writing a line costs a few µs per step.
