@@ -394,6 +394,20 @@ async def test_records_published_while_their_partitions_batch_waits_for_the_send
     assert [decode_message(r, Cancel).request_id for r in records] == ["a", "b", "c"]
 
 
+async def produce_in_one_batch(settings, topic: str, values: dict[int, list[bytes]]) -> None:
+    """Each partition's values as one producer batch, so that a poll can return them all."""
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for partition, records in values.items():
+            batch = producer.create_batch()
+            for value in records:
+                assert batch.append(key=None, value=value, timestamp=None) is not None
+            await (await producer.send_batch(batch, topic, partition=partition))
+    finally:
+        await producer.stop()
+
+
 class BusyHandler(Handler):
     """Spends `busy_s` of CPU on each record without awaiting anything that waits (as a
     worker decoding and admitting a request does), and notes, for each record, the poll it
@@ -427,15 +441,7 @@ async def test_a_polls_records_leave_the_event_loop_to_other_work_between_slices
     task runs while one poll's records are handled, not only between polls."""
     await create_topics(kafka_settings, partitions=1)
     source = kafka_settings.topic("requests")
-    producer = make_producer(kafka_settings)
-    await producer.start()
-    try:
-        batch = producer.create_batch()
-        for i in range(300):
-            assert batch.append(key=b"k", value=b"%d" % i, timestamp=None) is not None
-        await (await producer.send_batch(batch, source, partition=0))
-    finally:
-        await producer.stop()
+    await produce_in_one_batch(kafka_settings, source, {0: [b"%d" % i for i in range(300)]})
     ticker = [0]
 
     async def tick_forever():
@@ -460,7 +466,7 @@ async def test_a_polls_records_leave_the_event_loop_to_other_work_between_slices
     polls: dict[int, list[int]] = {}
     for poll, seen in handler.handled:
         polls.setdefault(poll, []).append(seen)
-    poll, seen = max(polls.items(), key=lambda item: len(item[1]))
+    seen = max(polls.values(), key=len)
     assert len(seen) >= 100, f"the records came in small polls: {[len(s) for s in polls.values()]}"
     # 0.2 ms a record, a slice of 2 ms: the ticker runs every ~10 records of the poll
     # (in one go it would not run until the poll's last record was handled).
@@ -499,16 +505,7 @@ async def test_a_rebalance_stops_a_polls_records_where_it_is_and_none_is_lost(ka
     still handled by a member."""
     await create_topics(kafka_settings, partitions=2)
     source = kafka_settings.topic("requests")
-    producer = make_producer(kafka_settings)
-    await producer.start()
-    try:
-        for partition in (0, 1):
-            batch = producer.create_batch()
-            for i in range(1500):
-                assert batch.append(key=None, value=b"%d-%d" % (partition, i), timestamp=None) is not None
-            await (await producer.send_batch(batch, source, partition=partition))
-    finally:
-        await producer.stop()
+    await produce_in_one_batch(kafka_settings, source, {p: [b"%d-%d" % (p, i) for i in range(1500)] for p in (0, 1)})
     group = f"{kafka_settings.topic_prefix}-rebalanced"
     quick = {"heartbeat_interval_ms": 100}
     first_offsets, second_offsets = PartitionOffsets(), PartitionOffsets()
