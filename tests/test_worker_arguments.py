@@ -67,6 +67,7 @@ def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypa
     ("GENPIPE_LOG_LEVEL", "verbose", ["serve"], "argument --log-level: expected one of DEBUG"),
     ("GENPIPE_DTYPE", "fp16", ["generate-worker"],
      "argument --dtype: expected one of float32, bfloat16, float16, got 'fp16'"),
+    ("GENPIPE_CUDA_GRAPHS", "on", ["generate-worker"], "argument --cuda-graphs: expected one of auto, off, got 'on'"),
     ("GENPIPE_SECURITY_PROTOCOL", "TLS", ["tail"],
      "argument --security-protocol: expected one of PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL, got 'TLS'"),
 ])

@@ -54,13 +54,17 @@ _FINISH_REASONS = ("stop", "length", "abort", "error")
 class Engine:
     def __init__(self, model_dir: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
                  max_batch: int = 32, max_model_len: int | None = None, prefill_chunk: int = 512,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, *, model=None, force_fallback: bool = False):
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, *, model=None, force_fallback: bool = False,
+                 decode_graphs: str = "auto"):
         """Load `model_dir` (or use an already loaded HF `model`) and preallocate the cache.
 
         max_batch: requests holding a cache row at once (decoding or prefilling).
         max_model_len: context length (prompt + output); default from the model config.
         prefill_chunk: prompt tokens prefilled per step, over all requests.
         force_fallback: use the generic HF forward even for Llama-family models.
+        decode_graphs: "auto" replays pure-decode steps of the native forward as CUDA
+        graphs on a CUDA device (decode_graphs.py); "off" never; "padded" runs their
+        padded shapes without capture (any device: what the tests pin).
         """
         if model is None:
             if model_dir is None:
@@ -73,7 +77,7 @@ class Engine:
         self.vocab_size = self.info.vocab_size
         self.max_logprobs = max_logprobs
         self.max_batch = max_batch
-        self.runner = make_runner(model, max_batch, self.max_model_len, force_fallback)
+        self.runner = make_runner(model, max_batch, self.max_model_len, force_fallback, decode_graphs)
         self.native = self.runner.native
         self.scheduler = Scheduler(max_batch, prefill_chunk)
         eos = self.info.eos_token_ids

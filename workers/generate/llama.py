@@ -177,7 +177,7 @@ class FlatBatch:
     decode_len: int  # keys to read for decode: max(position) + 1 over the decode tokens
     decode_masks: dict  # window (None = full) -> [n_decode, 1, 1, decode_len] additive mask (0 / -inf)
     prefills: list[PrefillSegment]
-    logit_index: torch.Tensor  # [M] long: which flat tokens need logits
+    logit_index: torch.Tensor | None  # [M] long: which flat tokens need logits; None: all
 
 
 def prefill_mask(start: int, end: int, window: int | None, device) -> torch.Tensor:
@@ -243,6 +243,7 @@ def forward(w: LlamaWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Fl
         inter = gu.shape[-1] // 2
         x = x + F.linear(w.act(gu[:, :inter]) * gu[:, inter:], lw.w_down, lw.b_down)
 
-    x = x[b.logit_index]
+    if b.logit_index is not None:
+        x = x[b.logit_index]
     x = rms_norm(x, w.norm, w.eps)
     return F.linear(x, w.lm_head)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from workers.generate.decode_graphs import MODES, CaptureFailed, PaddedDecode
 from workers.generate.llama import FlatBatch, LlamaWeights, PrefillSegment, forward
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,17 @@ class LlamaRunner:
 
     native = True
 
-    def __init__(self, model, rows: int, max_len: int):
+    def __init__(self, model, rows: int, max_len: int, decode_graphs: str = "auto"):
+        if decode_graphs not in MODES:
+            raise ValueError(f"decode_graphs must be one of {MODES}, not {decode_graphs!r}")
         self.device = model.lm_head.weight.device
         self.weights = LlamaWeights.from_hf(model, max_len)
         w = self.weights
         dtype = w.lm_head.dtype
-        shape = (w.n_layers, rows + 1, w.n_kv_heads, max_len, w.head_dim)  # +1: scratch row
+        padded = decode_graphs == "padded" or (decode_graphs == "auto" and self.device.type == "cuda")
+        # +1: the scratch row move_rows swaps through; +1 with padded steps: the row their
+        # padding rows write to, which no request owns.
+        shape = (w.n_layers, rows + 1 + padded, w.n_kv_heads, max_len, w.head_dim)
         need = 2 * math.prod(shape) * torch.finfo(dtype).bits // 8
         what = (f"the KV cache needs {need / 2**30:.2f} GiB ({rows} rows x {max_len} positions x "
                 f"{w.n_layers} layers); lower max_model_len or max_batch")
@@ -127,8 +133,47 @@ class LlamaRunner:
         self._kv_heads, self._max_len = w.n_kv_heads, max_len
         self._heads = torch.arange(w.n_kv_heads, device=self.device)
         self._windows = sorted(set(w.windows), key=lambda x: -1 if x is None else x)
+        self.padded = (PaddedDecode(self._decode_forward, self.device, rows, max_len, pad_row=rows + 1,
+                                    capture=decode_graphs == "auto", vocab=w.lm_head.shape[0], dtype=dtype)
+                       if padded else None)
+
+    def _kv_index(self, row_t: torch.Tensor, pos_t: torch.Tensor) -> torch.Tensor:
+        """Flat index into cache[layer].view(-1, head_dim) of (row, kv head, position)."""
+        return ((row_t[:, None] * self._kv_heads + self._heads[None]) * self._max_len + pos_t[:, None]).view(-1)
+
+    def _decode_masks(self, dec_pos: torch.Tensor, decode_len: int) -> dict:
+        """Additive float masks [nd, 1, 1, decode_len], built once per step for all layers
+        (SDPA would convert a boolean one to exactly this in every layer); one per
+        distinct sliding window. Row i sees keys 0..dec_pos[i] (within its window)."""
+        nd = dec_pos.shape[0]
+        kpos = self._arange[:decode_len][None, :]
+        masks = {}
+        for window in self._windows:
+            hide = kpos > dec_pos[:, None]
+            if window is not None:
+                hide |= kpos <= dec_pos[:, None] - window
+            mask = torch.zeros((nd, 1, 1, decode_len), dtype=self.k_cache.dtype, device=self.device)
+            masks[window] = mask.masked_fill_(hide.view(nd, 1, 1, decode_len), float("-inf"))
+        return masks
+
+    def _decode_forward(self, tok_t: torch.Tensor, pos_t: torch.Tensor, row_t: torch.Tensor,
+                        decode_len: int) -> torch.Tensor:
+        """A decode-only forward at fixed shapes (PaddedDecode's body): all logits."""
+        batch = FlatBatch(tokens=tok_t, positions=pos_t, kv_index=self._kv_index(row_t, pos_t),
+                          n_decode=tok_t.shape[0], decode_len=decode_len,
+                          decode_masks=self._decode_masks(pos_t, decode_len), prefills=[], logit_index=None)
+        return forward(self.weights, self.k_cache, self.v_cache, batch)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
+        if self.padded is not None and plan.decode_tokens and not plan.prefills:
+            try:
+                return self.padded.run(plan.decode_tokens, plan.decode_positions)
+            except CaptureFailed as exc:
+                log.warning("CUDA graphs off for this engine, decode steps run eagerly: %s", exc)
+                self.padded = None
+        return self._execute_eager(plan)
+
+    def _execute_eager(self, plan: StepPlan) -> torch.Tensor:
         nd = len(plan.decode_tokens)
         tokens = list(plan.decode_tokens)
         positions = list(plan.decode_positions)
@@ -151,21 +196,8 @@ class LlamaRunner:
         packed = torch.tensor(tokens + positions + rows + logit_index, dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
         tok_t, pos_t, row_t, li = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
-        # Flat index into cache[layer].view(-1, head_dim) of (row, kv head, position).
-        kv_index = ((row_t[:, None] * self._kv_heads + self._heads[None]) * self._max_len
-                    + pos_t[:, None]).view(-1)
-        masks = {}
-        if nd:
-            # Additive float masks, built once per step for all layers (SDPA would convert a
-            # boolean one to exactly this in every layer); one per distinct sliding window.
-            dec_pos = pos_t[:nd, None]
-            kpos = self._arange[:decode_len][None, :]
-            for window in self._windows:
-                hide = kpos > dec_pos
-                if window is not None:
-                    hide |= kpos <= dec_pos - window
-                mask = torch.zeros((nd, 1, 1, decode_len), dtype=self.k_cache.dtype, device=self.device)
-                masks[window] = mask.masked_fill_(hide.view(nd, 1, 1, decode_len), float("-inf"))
+        kv_index = self._kv_index(row_t, pos_t)
+        masks = self._decode_masks(pos_t[:nd], decode_len) if nd else {}
         batch = FlatBatch(tokens=tok_t, positions=pos_t, kv_index=kv_index, n_decode=nd,
                           decode_len=decode_len, decode_masks=masks, prefills=segments, logit_index=li)
         return forward(self.weights, self.k_cache, self.v_cache, batch)
@@ -242,9 +274,9 @@ class HFRunner:
         self.caches[row] = None
 
 
-def make_runner(model, rows: int, max_len: int, force_fallback: bool = False):
+def make_runner(model, rows: int, max_len: int, force_fallback: bool = False, decode_graphs: str = "auto"):
     reason = "forced" if force_fallback else LlamaWeights.unsupported_reason(model, max_len)
     if reason is None:
-        return LlamaRunner(model, rows, max_len)
+        return LlamaRunner(model, rows, max_len, decode_graphs)
     log.warning("using the generic HF forward (batch 1 per request): %s", reason)
     return HFRunner(model, rows, max_len)

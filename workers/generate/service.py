@@ -38,6 +38,7 @@ class GenerateWorkerConfig:
     max_batch: int = 32
     max_model_len: int | None = None
     prefill_chunk: int = 512
+    cuda_graphs: str = "auto"  # Engine(decode_graphs=): "auto" or "off"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     group_id: str = "genpipe-generate"
     grace_s: float = 30.0
@@ -83,7 +84,8 @@ def engine_options(config: GenerateWorkerConfig) -> dict:
 
     return dict(model_dir=config.model or str(default_model_dir("spm")), device=config.device,
                 dtype=config.dtype, max_batch=config.max_batch, max_model_len=config.max_model_len,
-                prefill_chunk=config.prefill_chunk, max_logprobs=config.max_logprobs)
+                prefill_chunk=config.prefill_chunk, max_logprobs=config.max_logprobs,
+                decode_graphs=config.cuda_graphs)
 
 
 def load_engine(config: GenerateWorkerConfig):
