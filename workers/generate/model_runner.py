@@ -9,7 +9,8 @@ requests in rows `0..n_decode-1` and asks the runner to move rows when that chan
 - `LlamaRunner` (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, incl. sliding
   window layers): our batched forward (`llama.py`) over the HF weights with a
   preallocated cache `[layers, rows, kv_heads, max_len, head_dim]`; one forward per step
-  for all decoding rows and all prefill chunks together.
+  for all decoding rows and all prefill chunks together. On a CUDA device a step with
+  no prefill chunk replays a CUDA graph of that forward at padded shapes (decode_graphs.py).
 - `HFRunner` (any other causal LM): the HF model's own forward, batch 1 per request, each
   request with its own `past_key_values`; still continuous scheduling (requests join and
   leave between steps), but one forward per request per step — much slower.
