@@ -101,3 +101,14 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(tiny_model_di
     assert any("CUDA graphs off" in r.getMessage() and "capturing a decode step of 1 rows" in r.getMessage()
                for r in caplog.records)
     assert got == run(reference, [req("c", prompt, max_tokens=12, ignore_eos=True)])["c"].tokens
+
+
+def test_the_workers_flag_reaches_the_engine_and_a_bad_mode_is_refused(tiny_model_dir):
+    from workers.generate.service import GenerateWorkerConfig, engine_options
+
+    options = engine_options(GenerateWorkerConfig(model=str(tiny_model_dir), cuda_graphs="off"))
+    assert options["decode_graphs"] == "off"
+    assert Engine(**options).runner.padded is None
+    assert Engine(tiny_model_dir).runner.padded is None  # "auto" on the CPU: no padded steps
+    with pytest.raises(ValueError, match=r"decode_graphs must be one of \('auto', 'off', 'padded'\), not 'on'"):
+        Engine(tiny_model_dir, decode_graphs="on")
