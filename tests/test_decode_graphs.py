@@ -112,3 +112,27 @@ def test_the_workers_flag_reaches_the_engine_and_a_bad_mode_is_refused(tiny_mode
     assert Engine(tiny_model_dir).runner.padded is None  # "auto" on the CPU: no padded steps
     with pytest.raises(ValueError, match=r"decode_graphs must be one of \('auto', 'off', 'padded'\), not 'on'"):
         Engine(tiny_model_dir, decode_graphs="on")
+
+
+def test_the_gpu_benches_run_on_the_cpu_at_a_tiny_shape(tmp_path):
+    """ops/bench/gpu_engine.py and decode_ops.py are run on a lent GPU, rarely and in a
+    hurry: their CPU mode keeps them from rotting between leases."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu_engine.jsonl"
+    subprocess.run([sys.executable, str(root / "ops/bench/gpu_engine.py"), "--shapes", "tiny", "--batches", "4",
+                    "--max-tokens", "8", "--device", "cpu", "--dtype", "float32", "--skip-hf", "--json", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    engines = {r["mode"]: r for r in rows if r["kind"] == "engine"}
+    assert engines["off"]["tokens"] == engines["padded"]["tokens"] == 8 * 8
+    assert [r["identical"] for r in rows if r["kind"] == "greedy_agreement"] == [1.0]
+    padded = next(r for r in rows if r["kind"] == "forward" and r["mode"] == "padded")
+    assert padded["max_abs_diff"] < 1e-5 and padded["argmax_agree"] == 1.0
+    ops = subprocess.run([sys.executable, str(root / "ops/bench/decode_ops.py"), "--shapes", "tiny", "--batches", "4",
+                          "--device", "cpu"], check=True, capture_output=True, text=True, timeout=300).stdout
+    assert "attention: SDPA one query per head, enable_gqa" in ops and "rms_norm: F.rms_norm in fp32" in ops
