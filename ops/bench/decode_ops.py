@@ -166,12 +166,11 @@ def main(argv=None) -> int:
                 w = torch.randn(n_out, n_in, device=device, dtype=dt) * 0.02
                 a = torch.randn(B, n_in, device=device, dtype=dt)
                 row(f"linear {name} [{n_out}x{n_in}]", timed(lambda: F.linear(a, w)), w.nbytes)
-                del w
             head = torch.randn(vocab, hidden, device=device, dtype=dt) * 0.02
             row(f"lm_head [{vocab}x{hidden}]", timed(lambda: F.linear(x, head)), head.nbytes)
             print(f"{shape} batch {B}, {L} keys (one layer's ops; lm_head once per step):")
             print("\n".join(rows), flush=True)
-            del kc, vc, head
+            kc = vc = head = None  # free the cache before the next shape
             if on_gpu:
                 torch.cuda.empty_cache()
     return 0
