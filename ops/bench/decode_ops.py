@@ -5,7 +5,7 @@ on an H200 was still ~3x the memory roofline (BENCHMARKS.md, "The engine on a GP
 This times each op of one layer of `llama.forward` at Llama 1B / 8B decode shapes, each
 captured in a CUDA graph (20 back-to-back calls per replay, so launches cost nothing),
 next to the alternatives worth trying, and prints achieved bytes/s against the copy rate
-measured in the same run:
+measured in the same run (gpu_engine.py's `ceilings`):
 
 - attention over the cache's rows (keys of a row are strided by max_len, as the engine
   reads them): SDPA with GQA packing and an additive mask as today, under each SDPA
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ops.bench.gpu_engine import ceilings  # noqa: E402
 from workers.generate.llama import rms_norm, rotate_half  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head_dim, vocab
@@ -67,13 +68,6 @@ def eager_ms(fn, reps: int = 20) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def copy_rate(device) -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = graphed_ms(lambda: b.copy_(a), reps=5, replays=2)
-    return 2 * a.numel() / (ms / 1e3) / 1e9
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1b,8b")
@@ -86,7 +80,7 @@ def main(argv=None) -> int:
     on_gpu = device.type == "cuda"
     timed = graphed_ms if on_gpu else eager_ms
     dt = torch.bfloat16 if on_gpu else torch.float32
-    gbs = copy_rate(device) if on_gpu else float("nan")
+    gbs = ceilings(device)["copy_gbs"]  # nan off the GPU
     print(f"{torch.cuda.get_device_name() if on_gpu else 'cpu'}, torch {torch.__version__}, copy {gbs:.0f} GB/s")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

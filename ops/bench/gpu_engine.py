@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from ops.bench.engine import sync  # noqa: E402
 from schemas.records import GenerateRequest, SamplingParams  # noqa: E402
 from workers.generate.engine import Engine  # noqa: E402
 from workers.generate.model_runner import StepPlan  # noqa: E402
@@ -52,11 +53,6 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                rope_theta=500000.0),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free_memory(device: torch.device) -> None:
