@@ -33,6 +33,7 @@ import uuid
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.process_helpers import free_port
 from workers.broker.local import kafka_version
 from workers.kafka.settings import KafkaSettings
 
@@ -108,11 +109,6 @@ def _docker_kafka_image() -> str | None:
         return f"Docker did not answer: {exc}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _docker_kafka():
     """Run TEST_KAFKA_IMAGE with testcontainers; yield its bootstrap servers, then stop it."""
@@ -125,7 +121,7 @@ def _docker_kafka():
 
     from workers.broker.local import answers
 
-    port = _free_port()
+    port = free_port()
     env = dict(TEST_KAFKA_ENV, KAFKA_ADVERTISED_LISTENERS=f"PLAINTEXT://localhost:9092,EXTERNAL://127.0.0.1:{port}")
     container = (DockerContainer(TEST_KAFKA_IMAGE, env=env)
                  .with_bind_ports(9094, port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,3 +105,10 @@ def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
     return {r.request_id: streamed_text(run_chunks(derenderer, make_chunks(
         r.request_id, ids[r.request_id], output=r.output, prompt_tail=r.prompt_token_ids[-PROMPT_TAIL:],
         prompt_count=len(r.prompt_token_ids)))) for r in requests}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 
 import httpx
 import pytest
 
+from tests.process_helpers import free_port
 from tests.test_generate_worker import start_worker
 from workers.gateway.params import BadParameter, parse
 
@@ -104,11 +104,6 @@ def test_fan_out_results_merge_as_openai_does():
 
 # --- real HTTP --------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextlib.asynccontextmanager
 async def serving_gateway(settings, tokenizer: str, **config):
@@ -117,7 +112,7 @@ async def serving_gateway(settings, tokenizer: str, **config):
 
     from workers.gateway.app import Gateway, GatewayConfig
 
-    port = _free_port()
+    port = free_port()
     gateway = Gateway(settings, GatewayConfig(tokenizer=tokenizer, **{"model_name": "tiny", **config}))
     server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())

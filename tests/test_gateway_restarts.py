@@ -126,7 +126,7 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
     connection breaks before the body ends (no `[DONE]`), which every HTTP client reports
     as an error. A gateway started again with the same --gateway-id takes the same reply
     topic and answers the same request in full."""
-    from tests.test_gateway import _free_port
+    from tests.process_helpers import free_port
 
     await make_topics(kafka_settings, partitions=1)
     workers = WorkerProcesses(tmp_path)
@@ -134,7 +134,7 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
     workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
                   *common)
     workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
-    port = _free_port()
+    port = free_port()
     serve = ["serve", "--port", str(port), "--gateway-id", "gw-restart", "--tokenizer", str(tiny_model_dir),
              "--model-name", "tiny", *common]
     try:

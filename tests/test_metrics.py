@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 
 import pytest
 
 from schemas import GenerateRequest, SamplingParams, encode, headers_for
 from tests.kafka_helpers import wait_for
+from tests.process_helpers import free_port
 from workers.generate.service import GenerateWorkerConfig, run_generate_worker
 from workers.kafka.clients import make_producer
 from workers.metrics import start_metrics_server
 
 pytestmark = pytest.mark.kafka
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -90,10 +90,11 @@ def ceilings(device: torch.device) -> dict:
     return {"copy_gbs": copy, "matmul_tflops": tflops}
 
 
-def make_model(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):
+def make_model(shape: str, device: torch.device, dtype: torch.dtype, max_len: int, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, **SHAPES[shape])
+    cfg = LlamaConfig(max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2,
+                      **{**SHAPES[shape], **overrides})
     torch.manual_seed(0)
     with torch.device(device):
         try:

@@ -71,6 +71,17 @@ same load right before each contender run (right after it with --this-first: alt
 the order across runs, as a box's speed drifts), and prints the ratio of each stage's CPU
 per token, and with --each-alone of each token's p99 latency: what the changes since REV
 bought, measured in one run (with --text ascii or cjk, REV must know `--synthetic-tokens`).
+
+--engine model runs the real engine in place of the synthetic one: the generate worker
+with `--model DIR --device D --dtype T`, the derender with `--tokenizer DIR`, and the
+engine alone in this process on the same requests, with a warm-up of a full batch first
+(then freed, before the workers start). A model of a realistic size with random weights
+and a vocabulary the derender can read: ops/bench/random_model.py. Goal (a)'s bound then
+uses the engine alone's mean step time (steps over the whole run, prefills included), not
+--step-ms, and a chunk's earlier tokens are placed as above (a request gets a token every
+step once its prompt is in: exact up to the steps' own spread). --text must be synthetic
+(the model says what it says). On a machine with a GPU and no Java:
+ops/device/throughput_gpu.sh.
 """
 
 from __future__ import annotations
@@ -136,19 +147,46 @@ def children(pid: int) -> list[int]:
     return [c for c in out if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-def engine_alone(args, k: int) -> float:
-    """Tokens/s of the synthetic engine stepping alone on the load's own requests (the
-    offered rate: its logprobs cost the engine too)."""
-    from workers.generate.synthetic import SyntheticEngine
+def engine_alone(args, k: int) -> tuple[float, float]:
+    """Tokens/s of the engine stepping alone on the load's own requests (the offered rate:
+    its logprobs cost the engine too), and its step time in seconds (the synthetic
+    engine's nominal one; the model's mean over the run)."""
+    if args.engine == "synthetic":
+        from workers.generate.synthetic import SyntheticEngine
 
-    engine = SyntheticEngine(step_s=args.step_ms / 1000, max_batch=args.max_batch,
-                             tokens="prompt" if args.prompts is not None else "hash")
-    for request in make_requests(args, k, args.requests):
+        engine = SyntheticEngine(step_s=args.step_ms / 1000, max_batch=args.max_batch,
+                                 tokens="prompt" if args.prompts is not None else "hash")
+    else:
+        import gc
+
+        import torch
+
+        from workers.generate.engine import Engine
+
+        engine = Engine(args.model, args.device, args.dtype, max_batch=args.max_batch,
+                        max_model_len=args.max_model_len)
+        warm_up = argparse.Namespace(**{**vars(args), "max_tokens": 8})
+        step_through(engine, make_requests(warm_up, k, args.max_batch))  # (first kernels, graph captures)
+    steps = engine.steps if args.engine == "model" else 0
+    produced, elapsed = step_through(engine, make_requests(args, k, args.requests))
+    if args.engine == "synthetic":
+        return produced / elapsed, args.step_ms / 1000
+    steps = engine.steps - steps
+    del engine
+    gc.collect()  # (the runner and its CUDA graphs refer to each other)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the worker's engine loads the model next
+    return produced / elapsed, elapsed / max(steps, 1)
+
+
+def step_through(engine, requests: list) -> tuple[int, float]:
+    """Queue `requests` at once and step `engine` until all end: tokens made, seconds."""
+    for request in requests:
         engine.add(request)
     start, produced = time.perf_counter(), 0
     while engine.has_work():
         produced += sum(len(o.token_ids) for o in engine.step())
-    return produced / (time.perf_counter() - start)
+    return produced, time.perf_counter() - start
 
 
 def worktree(rev: str) -> Path:
@@ -174,14 +212,21 @@ def start_workers(settings: KafkaSettings, args, log_dir: Path, code: Path | Non
     env = (dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
            if code is not None else None)
     procs = {}
-    gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms), "--max-batch", str(args.max_batch)]
+    der = ["derender-worker"]
+    if args.engine == "synthetic":
+        gen = ["generate-worker", "--engine", "synthetic", "--step-ms", str(args.step_ms)]
+    else:
+        gen = ["generate-worker", "--engine", "model", "--model", args.model, "--device", args.device,
+               "--dtype", args.dtype, *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
+        der += ["--tokenizer", args.model]
+    gen += ["--max-batch", str(args.max_batch)]
     if metrics_port:
         gen += ["--metrics-port", str(metrics_port)]
     if args.prompts is not None:  # a text's ids as the prompts: the output repeats them
         gen += ["--synthetic-tokens", "prompt"]
     gen += shlex.split(args.generate_args)
     for name, extra in (("generate", gen),
-                        ("derender", ["derender-worker"])):
+                        ("derender", der)):
         log = open(log_dir / f"{name}.log", "wb")
         procs[name] = subprocess.Popen([sys.executable, "-m", "workers.cli", *extra, *common], stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=code, env=env)
@@ -588,7 +633,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
                                        topic_prefix=f"tpfloor-{uuid.uuid4().hex[:6]}")
         asyncio.run(timed_topics(floor_settings))
         per_s, size = run["chunks_read"] / run["gen_elapsed"], chunk_bytes // max(chunks, 1)
-        latencies = asyncio.run(produce_floor(floor_settings, per_s, size, args.step_ms / 1000))
+        latencies = asyncio.run(produce_floor(floor_settings, per_s, size, args.step_s))
         floor = (per_s, size, pct(latencies, 0.5), pct(latencies, 0.99))
         asyncio.run(drop_topics(floor_settings))
     asyncio.run(drop_topics(settings))
@@ -622,7 +667,7 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
               f"p50 {hold_p50 * 1000:.1f} ms, p99 {hold_p99 * 1000:.1f} ms")
     if row.get("floor") is not None:
         (p50, p99), (per_s, size, floor_p50, floor_p99) = row["to_log"], row["floor"]
-        bound = 3 * args.step_ms / 1000 + floor_p99
+        bound = 3 * args.step_s + floor_p99
         print(f"    {code}: each token, sampled -> chunk log: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms; "
               f"bare produce floor ({per_s:,.0f} records/s of {size} B): p50 {floor_p50 * 1000:.1f} ms, "
               f"p99 {floor_p99 * 1000:.1f} ms; goal (a), p99 <= 3 steps + floor p99 = {bound * 1000:.1f} ms: "
@@ -641,7 +686,14 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap-servers", default=os.environ.get("GENPIPE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
-    parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--engine", choices=("synthetic", "model"), default="synthetic",
+                        help="the synthetic engine (default) or --model's (see above)")
+    parser.add_argument("--step-ms", type=float, default=2.0, help="the synthetic engine's step (default 2)")
+    parser.add_argument("--model", help="with --engine model: the model directory (with its tokenizer)")
+    parser.add_argument("--device", default="cpu", help="with --engine model: cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="with --engine model (default float32)")
+    parser.add_argument("--max-model-len", type=int, help="with --engine model (default: the model's)")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -661,9 +713,15 @@ def main() -> None:
                         help="more generate-worker options, for both codes, e.g. '--max-chunk-rate 0' (the chunk "
                              "policy's trade-offs: docs/design.md §4)")
     args = parser.parse_args()
+    if args.engine == "model" and not args.model:
+        parser.error("--engine model needs --model DIR (ops/bench/random_model.py writes one)")
+    if args.engine == "model" and args.text != ["synthetic"]:
+        parser.error("--text ascii/cjk need the synthetic engine (--engine model outputs what the model samples)")
 
-    print(f"step {args.step_ms:g} ms, batch {args.max_batch}, {args.requests} requests x {args.max_tokens} tokens; "
-          f"ratios are to the synthetic engine alone on each load's requests (printed before its rows)"
+    engine = (f"synthetic engine, step {args.step_ms:g} ms" if args.engine == "synthetic"
+              else f"model {args.model} on {args.device} ({args.dtype})")
+    print(f"{engine}, batch {args.max_batch}, {args.requests} requests x {args.max_tokens} tokens; "
+          f"ratios are to the engine alone on each load's requests (printed before its rows)"
           + (f"; generate-worker {args.generate_args}" if args.generate_args else ""))
     stage = f" {'stage':>9}" if args.each_alone else ""
     print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
@@ -676,8 +734,8 @@ def main() -> None:
         for kind in args.kind:
             for k in args.k:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
-                offered = engine_alone(load, k)
-                print(f"    engine alone: {offered:,.0f} tok/s")
+                offered, load.step_s = engine_alone(load, k)
+                print(f"    engine alone: {offered:,.0f} tok/s, {load.step_s * 1000:.2f} ms per step")
                 sides = [(f"{args.reference[:9]}", reference)] if reference is not None else []
                 sides.insert(0 if args.this_first else len(sides), ("this", None))
                 rows = {}

@@ -117,9 +117,24 @@ def ensure_jars(quiet: bool = False) -> Path:
         tail = _tail(proc.stdout + proc.stderr, 15)
         raise BrokerError(f"Maven could not resolve the Kafka jars (exit {proc.returncode})"
                           + (f":\n{tail}" if tail else ""))
-    (tmp / ".genpipe-resolved").write_text(pom_hash + "\n")
+    return _place(tmp, pom_hash)
+
+
+def adopt_jars(source: str | Path) -> Path:
+    """Take a directory of jars resolved elsewhere as this pom's classpath (a machine with
+    no Maven or no network: ops/device/kafka_kit.py); `source` is moved, not copied."""
+    source = Path(source)
+    if not any(source.glob("kafka_*.jar")):
+        raise BrokerError(f"{source} holds no kafka_*.jar: not a Kafka {kafka_version()} classpath")
+    libs_dir().parent.mkdir(parents=True, exist_ok=True)
+    return _place(source, hashlib.sha256(POM.read_bytes()).hexdigest())
+
+
+def _place(resolved: Path, pom_hash: str) -> Path:
+    libs = libs_dir()
+    (resolved / ".genpipe-resolved").write_text(pom_hash + "\n")
     shutil.rmtree(libs, ignore_errors=True)
-    tmp.rename(libs)
+    shutil.move(str(resolved), str(libs))  # (a rename when both are on one file system)
     return libs
 
 
@@ -169,7 +184,10 @@ def answers(port: int, timeout: float = 3.0, settings=None) -> bool:
     try:
         _run_coro(_list_topics(port, timeout, settings))
         return True
-    except Exception:  # any failure means "not usable as Kafka right now"
+    except ImportError as exc:  # not the broker's doing: say so, rather than wait out a start-up
+        raise BrokerError(f"the Kafka client cannot be imported here ({exc}): install genpipe's "
+                          "dependencies (pip install genpipe, or its wheels)") from exc
+    except Exception:  # any other failure means "not usable as Kafka right now"
         return False
 
 

@@ -189,7 +189,7 @@ def _special_tokens(kind: str) -> dict[str, str]:
     return {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
 
 
-def _save_tokenizer(tok, kind: str, out: Path) -> None:
+def save_tokenizer(tok, kind: str, out: Path) -> None:
     # Written by hand rather than by save_pretrained: the file set and format of that
     # differ between transformers versions; this loads with 4.x and 5.x alike.
     tok.save(str(out / "tokenizer.json"), pretty=True)
@@ -303,7 +303,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tok = build_tokenizer(kind)
-    _save_tokenizer(tok, kind, out)
+    save_tokenizer(tok, kind, out)
     specials = _special_tokens(kind)
     bos, eos = tok.token_to_id(specials["bos_token"]), tok.token_to_id(specials["eos_token"])
 
