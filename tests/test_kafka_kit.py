@@ -54,7 +54,7 @@ def test_the_gpu_throughput_script_runs_the_real_engine_through_a_broker_from_th
     port = free_port()
     env = dict(os.environ, PATH=path_without_java(tmp_path / "bin"), KIT=str(kit), WORK=str(tmp_path / "work"),
                PORT=str(port), SHAPES="tiny", DEVICE="cpu", DTYPE="float32", BATCH="16", REQUESTS="48",
-               MAX_TOKENS="12", KS="0")
+               MAX_TOKENS="12", KS="0", SYNTHETIC="1", SYN_REQUESTS="64")
     env.pop("GENPIPE_CACHE_DIR", None)  # (the kit's own cache: the jars placed by unpack)
     run = subprocess.run(["bash", "ops/device/throughput_gpu.sh"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
@@ -65,7 +65,9 @@ def test_the_gpu_throughput_script_runs_the_real_engine_through_a_broker_from_th
     rows = [line.split() for line in out.splitlines() if line.startswith("this ")]
     # Both stages measured: every request's final result was read (the bench waits for
     # each, and fails a load with an error result).
-    assert [row[5] for row in rows] == ["generate", "derender"], out[-4000:]
-    assert "engine alone:" in out and "goal (a)" in out
+    # (the model, then the synthetic engine under the two chunk policies)
+    assert [row[5] for row in rows] == ["generate", "derender"] * 3, out[-4000:]
+    assert out.count("engine alone:") == 3 and out.count("goal (a)") == 3
+    assert "--coalesce-max-delay-ms 4" in out
     assert not local.answers(port), "the script left its broker running"
 

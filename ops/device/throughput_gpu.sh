@@ -9,15 +9,16 @@
 #
 # Settings (environment): SHAPES ("1b"; "1b 8b" for both), DEVICE (cuda), DTYPE (bfloat16),
 # BATCH (256), REQUESTS (2048), MAX_TOKENS (128), KS ("0 5"), KIT (.kit), WORK (a scratch
-# directory, /tmp/genpipe-gpu). Arguments go on to throughput.py, e.g. --generate-args '...'.
+# directory, /tmp/genpipe-gpu), SHAPES="" for none; SYNTHETIC=1 adds goal (a)'s synthetic load
+# (below; SYN_REQUESTS, 3072). Arguments go on to the model runs' throughput.py.
 # The same script runs on a CPU machine (SHAPES=tiny DEVICE=cpu DTYPE=float32 BATCH=32
 # REQUESTS=256 MAX_TOKENS=32 KS=0): tests/test_kafka_kit.py runs it so, with no java on PATH
 # but the kit's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SHAPES=${SHAPES:-1b} DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} BATCH=${BATCH:-256}
+SHAPES=${SHAPES-1b} DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} BATCH=${BATCH:-256}
 REQUESTS=${REQUESTS:-2048} MAX_TOKENS=${MAX_TOKENS:-128} KS=${KS:-0 5} KIT=${KIT:-.kit}
-WORK=${WORK:-/tmp/genpipe-gpu} PORT=${PORT:-29592}
+WORK=${WORK:-/tmp/genpipe-gpu} PORT=${PORT:-29592} SYNTHETIC=${SYNTHETIC:-0} SYN_REQUESTS=${SYN_REQUESTS:-3072}
 [ -f "$KIT/manifest.json" ] || { echo "no kit in $KIT: run 'python ops/device/kafka_kit.py pack' first" >&2; exit 2; }
 rm -rf "$WORK" && mkdir -p "$WORK"
 t0=$(date +%s)
@@ -52,4 +53,13 @@ for shape in $SHAPES; do
         --max-tokens "$MAX_TOKENS" --k $KS --each-alone "$@" 2>&1 | grep -v -e "Loading weights" -e "shards"
     rm -rf "$WORK/model-$shape"
 done
+# Goal (a)'s load with the synthetic engine, on this machine's cores (on the 2-core VMs the
+# engine, the worker and the broker share two): 2 ms steps, batch 256, k = 0, the default
+# chunk policy and then the latency setting.
+if [ "$SYNTHETIC" = 1 ]; then
+    for policy in "" "--coalesce-max-delay-ms 4 --saturated-stretch 1"; do
+        python3 ops/bench/throughput.py --bootstrap-servers "127.0.0.1:$PORT" --step-ms 2 --max-batch 256 \
+            --requests "$SYN_REQUESTS" --max-tokens 128 --k 0 --each-alone --generate-args "$policy"
+    done
+fi
 echo "done in $(( $(date +%s) - t0 )) s"
