@@ -71,6 +71,19 @@ def test_greedy_is_argmax_ties_lowest(dtype):
     assert sample(logits, st_, gens).dtype == torch.int64
 
 
+def test_a_batch_of_greedy_rows_sends_nothing_to_the_device():
+    # The batch's composition changes on most steps, so its tensors are rebuilt often: a
+    # greedy batch (the usual one) needs none of them, only argmax.
+    st_ = make_sampling_tensors([SP(temperature=0.0, top_k=5, top_p=0.5)] * 3, "cpu")
+    assert st_.temperature is st_.top_p is st_.top_k is st_.log_min_p is st_.greedy is None
+    assert (st_.greedy_rows, st_.sampled_rows, st_.max_top_k) == ((True,) * 3, (), 0)
+    logits = randn(3, 50, seed=4)
+    assert torch.equal(process_logits(logits, st_), logits)
+    assert torch.equal(sample(logits, st_, [None] * 3), logits.argmax(dim=-1))
+    mixed = make_sampling_tensors([SP(temperature=0.0), SP(temperature=0.7)], "cpu")
+    assert mixed.sampled_rows == (1,) and mixed.temperature.tolist() == pytest.approx([1.0, 0.7])
+
+
 def test_greedy_ignores_filters_and_never_consumes_its_generator():
     logits = randn(4, 50, seed=1)
     st_ = make_sampling_tensors([SP(temperature=0.0, top_k=3, top_p=0.1, min_p=0.5)] * 4, "cpu")

@@ -43,7 +43,7 @@ from workers.generate.logprobs import prompt_positions, step_to_entries
 from workers.generate.model_runner import (ModelInfo, PrefillChunk, StepPlan, load_hf_model, make_runner,
                                            model_info)
 from workers.generate.outputs import RequestOutput, StepCollector, StepOutputs
-from workers.generate.sampler import make_generator, make_sampling_tensors, sample, suppress
+from workers.generate.sampler import make_generator, sample, sampling_row, sampling_tensors, suppress
 from workers.generate.scheduler import DECODE, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -202,9 +202,11 @@ class Engine:
             max_output=max_output,
             eos=eos,
             stop_ids=frozenset(stop_ids),
+            ends=frozenset(stop_ids if eos is None else stop_ids | {eos}),
             suppress_ids=tuple(sorted(self._eos_all | set(p.stop_token_ids))) if p.min_tokens > 0 else (),
             generator=(make_generator(p.seed, self.device)
                        if p.seed is not None and p.temperature >= 1e-5 else None),
+            sampling_row=sampling_row(p),
         )
         self._next_uid += 1
         seq.uid = self._next_uid
@@ -238,10 +240,9 @@ class Engine:
     def _sampling(self, seqs: list[Sequence]):
         key = tuple(s.uid for s in seqs)
         if key != self._sampling_key:
-            params = [s.params for s in seqs]
-            st = make_sampling_tensors(params, self.device)
+            st = sampling_tensors([s.sampling_row for s in seqs], self.device)
             gens = [s.generator for s in seqs]
-            ks = [p.logprobs for p in params]
+            ks = [s.params.logprobs for s in seqs]
             self._sampling_key, self._sampling_state = key, (st, gens, ks)
         return self._sampling_state
 
@@ -256,9 +257,18 @@ class Engine:
         ids, lps = step_to_entries(logits, sampled, ks)  # the one device→host copy of the step
         outputs.sampled_at_ns = time.time_ns()
         max_len = self.max_model_len
+        rids, tids, entries = [], [], []  # the step's columns, in row order
         for seq, tok, lp in zip(seqs, ids, lps):
-            seq.output.append(tok)
-            n = len(seq.output)
+            output = seq.output
+            output.append(tok)
+            # Most rows: room left (max_output is within the context), an id no rule ends
+            # on, not the first token. On a GPU this loop is time the device waits for.
+            if len(output) < seq.max_output and tok not in seq.ends and seq.sent_first:
+                rids.append(seq.request_id)
+                tids.append(tok)
+                entries.append(lp)
+                continue
+            n = len(output)
             reason = stop_id = None
             if n >= seq.max_output or len(seq.prompt) + n >= max_len:
                 reason = "length"
@@ -270,7 +280,9 @@ class Engine:
             first = not seq.sent_first
             seq.sent_first = True
             if reason is None and (not first or seq.prompt_logprobs is None):
-                outputs.token(seq.request_id, tok, lp)  # the usual output: a column entry
+                rids.append(seq.request_id)  # a column entry, as above
+                tids.append(tok)
+                entries.append(lp)
             else:
                 outputs.output(RequestOutput(
                     request_id=seq.request_id, token_ids=[tok], logprobs=None if lp is None else [lp],
@@ -283,6 +295,7 @@ class Engine:
                 moves = self.scheduler.promote(seq)
                 if moves:
                     self.runner.move_rows(moves)
+        outputs.tokens(rids, tids, entries)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -123,6 +123,12 @@ class StepCollector:
         self.logprobs.append(entry)
         return len(self.token_ids) - 1
 
+    def tokens(self, request_ids: list[str], token_ids: list[int], entries: list) -> None:
+        """Many requests' new tokens at once, as `token` one by one in that order."""
+        self.request_ids += request_ids
+        self.token_ids += token_ids
+        self.logprobs += entries
+
     def set_entry(self, index: int, entry) -> None:
         self.logprobs[index] = entry
 

@@ -35,37 +35,53 @@ GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below this are greedy
 
 
 class SamplingTensors(NamedTuple):
-    """Per-row sampling params on the device, plus host-side flags to skip dead work."""
+    """Per-row sampling params on the device, plus host-side flags to skip dead work.
+    When every row is greedy there is nothing to send: the tensors are None."""
 
-    temperature: Tensor  # [B] float32; 1.0 on greedy rows (never divides by ~0)
-    top_p: Tensor  # [B] float32; 1.0 = disabled
-    top_k: Tensor  # [B] int64; 0 = disabled
-    log_min_p: Tensor  # [B] float32; log(min_p), -inf = disabled
-    greedy: Tensor  # [B] bool
+    temperature: Tensor | None  # [B] float32; 1.0 on greedy rows (never divides by ~0)
+    top_p: Tensor | None  # [B] float32; 1.0 = disabled
+    top_k: Tensor | None  # [B] int64; 0 = disabled
+    log_min_p: Tensor | None  # [B] float32; log(min_p), -inf = disabled
+    greedy: Tensor | None  # [B] bool
     greedy_rows: tuple[bool, ...]  # the same mask on the host
+    sampled_rows: tuple[int, ...]  # the rows that are not greedy
     max_top_k: int  # largest enabled top_k (0 if none)
     any_temperature: bool
     any_top_p: bool
     any_min_p: bool
 
 
+SamplingRow = tuple[float, float, float, float, float]
+
+
+def sampling_row(p: SamplingParams) -> SamplingRow:
+    """One request's row of the tensors, normalised: (temperature, top_p, top_k,
+    log(min_p), greedy). Made once per request (the engine keeps it on the sequence),
+    since a batch's composition, and so its tensors, change on most steps."""
+    greedy = p.temperature < GREEDY_EPS
+    temp = 1.0 if greedy else float(p.temperature)
+    top_p = 1.0 if greedy else min(max(float(p.top_p), 0.0), 1.0)
+    top_k = 0 if greedy or p.top_k <= 0 else min(int(p.top_k), 2**31)  # 0, -1: off
+    # min_p > 1 would mask the top token too and leave nothing to sample
+    min_p = 0.0 if greedy else min(max(float(p.min_p), 0.0), 1.0)
+    log_min_p = math.log(min_p) if min_p > 0.0 else -math.inf
+    return (temp, top_p, float(top_k), log_min_p, float(greedy))
+
+
 def make_sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str) -> SamplingTensors:
-    """Build once per batch composition: one host→device copy for all rows."""
-    rows = []
-    for p in params:
-        greedy = p.temperature < GREEDY_EPS
-        temp = 1.0 if greedy else float(p.temperature)
-        top_p = 1.0 if greedy else min(max(float(p.top_p), 0.0), 1.0)
-        top_k = 0 if greedy or p.top_k <= 0 else min(int(p.top_k), 2**31)  # 0, -1: off
-        # min_p > 1 would mask the top token too and leave nothing to sample
-        min_p = 0.0 if greedy else min(max(float(p.min_p), 0.0), 1.0)
-        log_min_p = math.log(min_p) if min_p > 0.0 else -math.inf
-        rows.append((temp, top_p, float(top_k), log_min_p, float(greedy)))
+    return sampling_tensors([sampling_row(p) for p in params], device)
+
+
+def sampling_tensors(rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingTensors:
+    """Build once per batch composition: one host→device copy for all rows, none when
+    every row is greedy."""
+    greedy_rows = tuple(r[4] == 1.0 for r in rows)
+    sampled_rows = tuple(i for i, greedy in enumerate(greedy_rows) if not greedy)
+    if not sampled_rows:  # (greedy rows have every warper off)
+        return SamplingTensors(None, None, None, None, None, greedy_rows, (), 0, False, False, False)
     b = len(rows)
     # float64 keeps any top_k exact (float32 rounds above 2^24); one copy, then views.
     packed = torch.tensor(rows, dtype=torch.float64).reshape(b, 5).t().contiguous().to(device)
-    greedy_rows = tuple(r[4] == 1.0 for r in rows)
-    top_ks = [int(r[2]) for r in rows]
     return SamplingTensors(
         temperature=packed[0].float(),
         top_p=packed[1].float(),
@@ -73,7 +89,8 @@ def make_sampling_tensors(params: Sequence[SamplingParams], device: torch.device
         log_min_p=packed[3].float(),
         greedy=packed[4] != 0,
         greedy_rows=greedy_rows,
-        max_top_k=max(top_ks, default=0),
+        sampled_rows=sampled_rows,
+        max_top_k=max(int(r[2]) for r in rows),
         any_temperature=any(r[0] != 1.0 for r in rows),
         any_top_p=any(r[1] < 1.0 for r in rows),
         any_min_p=any(r[3] != -math.inf for r in rows),
@@ -196,7 +213,7 @@ def sample(
     b = logits.shape[0]
     if len(generators) != b or len(st.greedy_rows) != b:
         raise ValueError(f"batch of {b} rows, {len(generators)} generators, {len(st.greedy_rows)} params")
-    sampled_rows = [i for i in range(b) if not st.greedy_rows[i]]
+    sampled_rows = list(st.sampled_rows)
     if not sampled_rows:
         return logits.argmax(dim=-1)
     x = process_logits(logits, st) if processed is None else processed.float()

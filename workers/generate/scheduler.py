@@ -31,7 +31,7 @@ WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
 Move = tuple[int, int, int]  # (src row, dst row, positions to copy); -1 = scratch row
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """Engine-side state of one request."""
 
@@ -39,8 +39,10 @@ class Sequence:
     max_output: int  # max_tokens capped by the room left in the context
     eos: int | None = None  # primary EOS (finish "stop", stop_token_id None); None if ignore_eos
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids (+ secondary EOS ids)
+    ends: frozenset[int] = frozenset()  # eos and stop_ids: a sampled id the stop rules must look at
     suppress_ids: tuple[int, ...] = ()  # masked while len(output) < min_tokens
     generator: Any = None  # torch.Generator for a seeded request
+    sampling_row: tuple = ()  # sampler.sampling_row(params): its row of the step's sampling tensors
     status: str = WAITING
     row: int = -1
     num_computed: int = 0  # positions whose K/V are in the cache
@@ -48,18 +50,15 @@ class Sequence:
     prompt_logprobs: list | None = None
     sent_first: bool = False
     uid: int = 0  # unique per engine, never reused (unlike id())
+    # The request's, as attributes rather than properties: read for every row of a step.
+    request_id: str = field(init=False)
+    prompt: list[int] = field(init=False)
+    params: SamplingParams = field(init=False)
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.sampling
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
+        self.prompt = self.request.prompt_token_ids
+        self.params = self.request.sampling
 
 
 @dataclass
