@@ -9,7 +9,7 @@ The kit is one archive and a few wheels, small enough to travel with a device ca
   beans), native debug symbols stripped;
 - the broker's jars (ops/kafka/pom.xml, resolved here by Maven), their entries stored
   rather than deflated and native libraries for other platforms left out, so that the
-  archive's xz finds the repetition across classes: ~15 MB against ~40 MB of jars;
+  archive's xz finds the repetition across classes: 14.8 MB, against 41 MB for the jars as they are;
 - the wheels of the workers' dependencies that a CUDA PyTorch image does not carry
   (msgspec, aiokafka, ...), at the versions installed here, for the device's Python.
 
