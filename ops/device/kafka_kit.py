@@ -59,6 +59,9 @@ MODULES = ("java.base", "java.compiler", "java.desktop", "java.logging", "java.m
 # What the workers and the benches import that a CUDA PyTorch image (torch, transformers,
 # tokenizers, numpy, packaging, typing_extensions) does not have.
 WHEELS = ("msgspec", "aiokafka", "async-timeout", "prometheus-client", "uvloop", "psutil")
+# What aiokafka needs that such an image has: in wheels/fallback/, installed only where
+# the import fails (throughput_gpu.sh), so as not to shadow the image's own versions.
+FALLBACK_WHEELS = ("typing-extensions", "packaging")
 # Native libraries inside jars, for platforms other than Linux x86-64, are left out.
 _NATIVE = (".so", ".dll", ".dylib", ".jnilib")
 _THIS_PLATFORM = ("linux/amd64/", "Linux/x86_64/", "linux/x86_64/", "linux-x86_64/")
@@ -92,10 +95,10 @@ def java_runtime(out: Path) -> None:
         raise SystemExit(f"jlink failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
-def download_wheels(out: Path, python_version: str) -> list[str]:
-    """The WHEELS, at the versions installed here, built for CPython `python_version` on
-    manylinux x86-64 (pip fetches them from the package index)."""
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+def download_wheels(out: Path, python_version: str, names: tuple[str, ...] = WHEELS) -> list[str]:
+    """The wheels of `names`, at the versions installed here, built for CPython
+    `python_version` on manylinux x86-64 (pip fetches them from the package index)."""
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in names]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
            "--python-version", python_version, "--implementation", "cp",
            *[f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")],
@@ -125,9 +128,10 @@ def pack(out: Path, python_version: str, wheels: bool, compress: bool) -> dict:
     if wheels:
         shutil.rmtree(out / "wheels", ignore_errors=True)
         pins = download_wheels(out / "wheels", python_version)
+        pins += download_wheels(out / "wheels" / "fallback", python_version, FALLBACK_WHEELS)
     manifest = {"kafka": kafka_version(), "archive": archive.name, "archive_bytes": archive.stat().st_size,
                 "java_modules": list(MODULES), "python": python_version if wheels else None, "wheels": pins,
-                "wheel_bytes": sum(w.stat().st_size for w in (out / "wheels").glob("*.whl")) if wheels else 0}
+                "wheel_bytes": sum(w.stat().st_size for w in (out / "wheels").rglob("*.whl")) if wheels else 0}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -25,6 +25,12 @@ t0=$(date +%s)
 if compgen -G "$KIT/wheels/*.whl" > /dev/null; then
     PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-index --no-deps --no-compile \
         --target "$WORK/site" "$KIT"/wheels/*.whl
+    for wheel in "$KIT"/wheels/fallback/*.whl; do  # (only where this Python lacks the module)
+        [ -e "$wheel" ] || continue
+        module=$(basename "$wheel" | cut -d- -f1)
+        python3 -c "import $module" 2> /dev/null || PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q \
+            --no-index --no-deps --no-compile --target "$WORK/site" "$wheel"
+    done
 fi
 export PYTHONPATH="$PWD:$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 kit_env=$(python3 ops/device/kafka_kit.py unpack --kit "$KIT" --into "$WORK/kit")  # (fails the script if it fails)
