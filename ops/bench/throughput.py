@@ -74,8 +74,9 @@ bought, measured in one run (with --text ascii or cjk, REV must know `--syntheti
 
 --engine model runs the real engine in place of the synthetic one: the generate worker
 with `--model DIR --device D --dtype T`, the derender with `--tokenizer DIR`, and the
-engine alone in this process on the same requests, with a warm-up of a full batch first
-(then freed, before the workers start). A model of a realistic size with random weights
+engine alone in this process on the same requests, each after a warm-up of a full batch
+(the first kernels, and the CUDA graphs of a full batch's shapes, outside the timing);
+the engine alone is freed before the workers start. A model of a realistic size with random weights
 and a vocabulary the derender can read: ops/bench/random_model.py. Goal (a)'s bound then
 uses the engine alone's mean step time (steps over the whole run, prefills included), not
 --step-ms, and a chunk's earlier tokens are placed as above (a request gets a token every
@@ -165,18 +166,24 @@ def engine_alone(args, k: int) -> tuple[float, float]:
 
         engine = Engine(args.model, args.device, args.dtype, max_batch=args.max_batch,
                         max_model_len=args.max_model_len)
-        warm_up = argparse.Namespace(**{**vars(args), "max_tokens": 8})
-        step_through(engine, make_requests(warm_up, k, args.max_batch))  # (first kernels, graph captures)
-    steps = engine.steps if args.engine == "model" else 0
+        step_through(engine, make_requests(args, k, warm_up_requests(args)))
+        warmed = engine.steps
     produced, elapsed = step_through(engine, make_requests(args, k, args.requests))
     if args.engine == "synthetic":
         return produced / elapsed, args.step_ms / 1000
-    steps = engine.steps - steps
+    steps = engine.steps - warmed
     del engine
     gc.collect()  # (the runner and its CUDA graphs refer to each other)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the worker's engine loads the model next
     return produced / elapsed, elapsed / max(steps, 1)
+
+
+def warm_up_requests(args) -> int:
+    """Requests run before the timed ones, alike in the engine alone and through the
+    workers: with the model, a full batch (its first kernels, and the CUDA graphs of a
+    full batch's shapes, captured before the timing starts on both sides)."""
+    return args.max_batch if args.engine == "model" else 8
 
 
 def step_through(engine, requests: list) -> tuple[int, float]:
@@ -596,7 +603,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
             time.sleep(0.2)  # polling for the engine child to exist; readiness is the warm-up below
             if time.monotonic() > deadline:
                 raise RuntimeError("the generate worker's engine child did not start")
-        warm_up = argparse.Namespace(**{**vars(args), "requests": 8})
+        warm_up = argparse.Namespace(**{**vars(args), "requests": warm_up_requests(args)})
         asyncio.run(while_running(procs, run_load(settings, warm_up, k), log_dir))
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
@@ -754,7 +761,7 @@ def main() -> None:
                         f"{name} {before['per'][name] / max(row['per'][name], 1e-9):.2f}x"
                         for name in ("gen", "engine", "der")) + f"; tok/s this / reference {row['rate'] / before['rate']:.2f}x"
                         + latency)
-    print(f"(worker logs: {log_dir}; chunk counts include the warm-up's 8 requests)")
+    print(f"(worker logs: {log_dir}; chunk counts include the warm-up's requests)")
 
 
 if __name__ == "__main__":
