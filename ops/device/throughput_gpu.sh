@@ -52,6 +52,7 @@ trap 'python3 -m workers.cli broker down --port "$PORT" --data-dir "$data" > /de
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}")'
 for shape in $SHAPES; do
+    echo "[$(( $(date +%s) - t0 )) s] shape $shape"
     python3 ops/bench/random_model.py --shape "$shape" --out "$WORK/model-$shape" --device "$DEVICE" 2>&1 | grep -v "shards"
     # shellcheck disable=SC2086  # (KS: one word per k)
     python3 ops/bench/throughput.py --bootstrap-servers "127.0.0.1:$PORT" --engine model --model "$WORK/model-$shape" \
@@ -64,6 +65,7 @@ done
 # chunk policy and then the latency setting.
 if [ "$SYNTHETIC" = 1 ]; then
     for policy in "" "--coalesce-max-delay-ms 4 --saturated-stretch 1"; do
+        echo "[$(( $(date +%s) - t0 )) s] the synthetic engine, chunk policy: ${policy:-default}"
         python3 ops/bench/throughput.py --bootstrap-servers "127.0.0.1:$PORT" --step-ms 2 --max-batch 256 \
             --requests "$SYN_REQUESTS" --max-tokens 128 --k 0 --each-alone --generate-args "$policy"
     done
