@@ -68,6 +68,8 @@ def test_the_gpu_throughput_script_runs_the_real_engine_through_a_broker_from_th
     # (the model, then the synthetic engine under the two chunk policies)
     assert [row[5] for row in rows] == ["generate", "derender"] * 3, out[-4000:]
     assert out.count("engine alone:") == 3 and out.count("goal (a)") == 3
+    # the broker the script started is found and its CPU per token given, for each stage
+    assert "broker us/tok" in out and not any("n/a" in row for row in rows), out[-4000:]
     assert "--coalesce-max-delay-ms 4" in out
     assert not local.answers(port), "the script left its broker running"
 

@@ -10,8 +10,11 @@ process (its tokens/s is what the pipeline is offered). Printed: tokens/s end to
 the whole run, from the first request sent to the last final result read) and its ratio to
 the engine alone; the same between the polls that read the first 10% and 90% of the
 results (`10-90%`: the rate once running, without the ramp-up while requests are still
-being sent, nor the tail); CPU time per token of the generate worker, its engine child
-and the derender (from /proc, over the whole run); chunk and result records and their
+being sent, nor the tail); CPU time per token of the generate worker, its engine child,
+the derender and the broker (from /proc, over the whole run; the broker's when it listens
+on this machine: `n/a` otherwise; with --each-alone, its part of each stage, not counting
+this process's read of the chunks after the generate stage; one broker, topics of one
+replica: a cluster's replication adds to it); chunk and result records and their
 mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99;
 and, from the generate worker's metrics (code that has it), how long a chunk's oldest
 token waited to be coalesced (`genpipe_chunk_hold_seconds`, p50/p99 interpolated in its
@@ -115,6 +118,29 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process (not its children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on TCP `port` on this machine (a local broker), from /proc;
+    None when none is (a broker elsewhere) or it cannot be seen."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # local address "IP:PORT" in hex, state 0A = LISTEN, inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if inodes and proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue  # (gone, or not ours to read)
+    return None
 
 
 def collector_seconds(pid: int, since: float) -> float | None:
@@ -492,10 +518,11 @@ async def produce_floor(settings: KafkaSettings, per_s: float, record_bytes: int
     return sorted(latencies)
 
 
-async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_port: int = 0) -> dict:
+async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_port: int = 0,
+                   generated=None) -> dict:
     """Send every request at once; read results until each has its final one. With
     `between` (--each-alone), wait until the generate worker (metrics on `metrics_port`)
-    has ended every request and take the stage's figures from the chunk log
+    has ended every request, call `generated()`, take the stage's figures from the chunk log
     (`generate_stage`), then call `between()` (which continues the stopped derender) and
     read the results."""
     from schemas import encode, headers_for
@@ -530,6 +557,8 @@ async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_
                 # (once a second: a scrape takes the worker's GIL for its registry, and its time
                 # is not what is measured: the stage ends at its last final's append, read from the log)
                 await asyncio.sleep(1.0)
+            if generated is not None:
+                generated()  # (before this process reads the chunks: not the pipeline's work)
             out.update(await generate_stage(settings, wanted, started_ns))
             between()
             started = time.perf_counter()
@@ -608,8 +637,18 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
         held_before = hold_buckets(metrics_port)  # (after the warm-up: this load's chunks only)
+        # The broker's CPU too, when it runs here: with --each-alone, "broker" is the
+        # generate stage's (requests in, chunks in) and "broker_der" the derender's (chunks
+        # out, results in and out); without, "broker" is the whole run's.
+        broker = listening_pid(int(args.bootstrap_servers.split(",")[0].rsplit(":", 1)[1]))
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        if broker is not None:
+            before["broker"] = cpu_seconds(broker)
         after: dict[str, float] = {}  # --each-alone: generate's CPU, taken when its stage ends
+
+        def generated():  # every request ended: the broker's part of the generate stage
+            if broker is not None:
+                after["broker"] = before["broker_der"] = cpu_seconds(broker)
 
         def between():  # the generate stage is over: its CPU, then the derender's turn
             after.update((name, cpu_seconds(pids[name])) for name in ("gen", "engine"))
@@ -619,8 +658,10 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         if args.each_alone:
             os.kill(pids["der"], signal.SIGSTOP)
         run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None,
-                                                        metrics_port), log_dir))
+                                                        metrics_port, generated), log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
+        if broker is not None:
+            after["broker_der" if args.each_alone else "broker"] = cpu_seconds(broker)
         held_after = hold_buckets(metrics_port)
         ended = time.time()
         collector = {name: collector_seconds(pid, ended) for name, pid in pids.items()}
@@ -679,15 +720,18 @@ def print_row(code: str, k: int, args, row: dict, offered: float) -> None:
               f"bare produce floor ({per_s:,.0f} records/s of {size} B): p50 {floor_p50 * 1000:.1f} ms, "
               f"p99 {floor_p99 * 1000:.1f} ms; goal (a), p99 <= 3 steps + floor p99 = {bound * 1000:.1f} ms: "
               f"{'met' if p99 <= bound else 'not met'}")
+    def broker(name: str) -> str:
+        return f"{per[name]:>13.1f}" if name in per else f"{'n/a':>13}"
+
     if args.each_alone:
         print(f"{load} {'generate':>9} {rates(row['tokens'] / row['gen_elapsed'], row['gen_sustained'])} "
-              f"{per['gen']:>10.1f} {per['engine']:>13.1f} {'':>15} {chunks} {'':>17} "
+              f"{per['gen']:>10.1f} {per['engine']:>13.1f} {'':>15} {broker('broker')} {chunks} {'':>17} "
               f"{row['chunk_p50'] * 1000:>6.0f}ms {row['chunk_p99'] * 1000:>6.0f}ms")
         print(f"{load} {'derender':>9} {rates(row['rate'], row['sustained'], ratio=False)} {'':>10} {'':>13} "
-              f"{per['der']:>15.1f} {'':>17} {results} {ages}")
+              f"{per['der']:>15.1f} {broker('broker_der')} {'':>17} {results} {ages}")
         return
     print(f"{load} {rates(row['rate'], row['sustained'])} {per['gen']:>10.1f} {per['engine']:>13.1f} "
-          f"{per['der']:>15.1f} {chunks} {results} {ages}")
+          f"{per['der']:>15.1f} {broker('broker')} {chunks} {results} {ages}")
 
 
 def main() -> None:
@@ -733,6 +777,7 @@ def main() -> None:
     stage = f" {'stage':>9}" if args.each_alone else ""
     print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
           f"{'10-90%':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} {'derender us/tok':>15} "
+          f"{'broker us/tok':>13} "
           f"{'chunks':>8} {'B/chunk':>8} {'results':>8} {'B/result':>8} {'age p50':>8} {'age p99':>8}")
     log_dir = Path(tempfile.mkdtemp(prefix="genpipe-throughput-"))
     reference = worktree(args.reference) if args.reference else None
