@@ -160,3 +160,7 @@ class Publisher:
 
     async def flush(self):
         pass
+
+    async def fail_records_of_deleted_topics(self):
+        """(The derender's tick asks every turn; nothing here is ever deleted.)"""
+        return []
