@@ -242,6 +242,86 @@ def test_the_outbox_hands_on_what_its_holder_lets_through_and_held_tokens_once_d
     outbox.close()
 
 
+def test_a_held_step_met_by_a_full_queue_does_not_stop_the_outbox():
+    """A step the outbox thread takes from its queue, whose tokens the holder keeps, while
+    the engine has filled the queue behind it. Before, the thread then put a wake-up into
+    that full queue (queue.Full) and died: every later step of the engine was dropped and
+    its requests waited for good (seen at k=5 on a 3-broker cluster, where publishing lags
+    and the queue stays full). Every token must arrive, in order."""
+    import multiprocessing
+
+    from workers.generate.chunks import ChunkPolicy
+    from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
+    from workers.generate.outputs import StepCollector
+    from workers.generate.token_holder import TokenHolder
+
+    class GatedHolder(TokenHolder):
+        """Its second step waits for the test to fill the outbox's queue."""
+
+        def __init__(self, policy):
+            super().__init__(policy)
+            self.steps, self.in_step, self.gate = 0, threading.Event(), threading.Event()
+
+        def step(self, outputs, now):
+            self.steps += 1
+            if self.steps == 2:
+                self.in_step.set()
+                assert self.gate.wait(30)
+            return super().step(outputs, now)
+
+    def step(n: int) -> Step:
+        collector = StepCollector()
+        collector.token("r0", n)
+        collector.token("r1", 100 + n)
+        return Step(collector.done(), 0.002)
+
+    holder = GatedHolder(ChunkPolicy(max_records_per_s=1000.0, max_delay_s=0.05, max_tokens=100))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=2, direct_max=0, holder=holder)  # (every step through the thread)
+    outbox.put(step(0))  # first tokens: handed on at once; the thread is idle after it
+    assert _decode_from_child(read_frame(reader)).outputs.token_ids == (0, 100)
+    outbox.put(step(1))  # held (the thread, in the holder, waits for the gate)
+    assert holder.in_step.wait(30)
+    outbox.put(step(2))
+    outbox.put(step(3))  # the queue is full now
+    holder.gate.set()
+    for n in range(4, 10):
+        outbox.put(step(n))  # (were the thread gone, these would be dropped)
+    got: dict[str, list[int]] = {"r0": [0], "r1": [100]}
+    while got["r0"] != list(range(10)) or got["r1"] != list(range(100, 110)):
+        assert reader.poll(10), f"tokens stopped arriving: {got}"
+        for out in _decode_from_child(read_frame(reader)).outputs:
+            got[out.request_id].extend(out.token_ids)
+    assert outbox.failure is None
+    outbox.close()
+
+
+def test_an_outbox_that_fails_says_so_and_drops_nothing_silently():
+    """The outbox thread failing (here its holder raises) is reported to `on_failure` (in
+    the engine process: exit, so the worker sees its engine gone) and every later put
+    raises, instead of steps being dropped while the engine goes on."""
+    import multiprocessing
+
+    from workers.generate.chunks import ChunkPolicy
+    from workers.generate.engine_process import Outbox
+    from workers.generate.token_holder import TokenHolder
+
+    class BrokenHolder(TokenHolder):
+        def step(self, outputs, now):
+            raise ZeroDivisionError("a bug in the holder")
+
+    failures = []
+    failed = threading.Event()
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = Outbox(writer, depth=2, direct_max=0, holder=BrokenHolder(ChunkPolicy()),
+                    on_failure=lambda exc: (failures.append(exc), failed.set()))
+    outbox.put(big_step(0))
+    assert failed.wait(30)
+    assert isinstance(failures[0], ZeroDivisionError)
+    with pytest.raises(RuntimeError, match="outbox failed.*a bug in the holder"):
+        outbox.put(big_step(1))
+
+
 def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
     import multiprocessing
 

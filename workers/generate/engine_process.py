@@ -374,9 +374,14 @@ class Outbox:
     With a `holder` (workers/generate/token_holder.py), what a step hands on is what the
     holder lets through, decided here rather than on the engine thread: in this thread
     the holder's walk over a step's tokens overlaps the engine's next step. Held tokens
-    that fall due while no step comes leave within `RELEASE_TICK_S`."""
+    that fall due while no step comes leave within `RELEASE_TICK_S`.
 
-    def __init__(self, conn, depth: int = 4, direct_max: int = 8, holder: TokenHolder | None = None):
+    Should the thread fail, nothing it was to send can reach the worker: it logs why and
+    calls `on_failure` (the child exits, so the worker sees its engine gone: its requests
+    are not left waiting on steps that were dropped), and a later `put` raises."""
+
+    def __init__(self, conn, depth: int = 4, direct_max: int = 8, holder: TokenHolder | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self._conn = conn
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._direct_max = direct_max
@@ -388,6 +393,8 @@ class Outbox:
         self._holding = threading.Lock()
         self._idle = False  # the thread waits for a message with no timeout: nothing was held (under _holding)
         self._gone = False  # a write failed: the worker is gone
+        self.failure: BaseException | None = None  # what stopped the thread, if it failed
+        self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="genpipe-engine-outbox", daemon=True)
         self._thread.start()
 
@@ -395,8 +402,10 @@ class Outbox:
         with self._lock:
             if self._gone:
                 return  # nothing to send to
+            if self.failure is not None:
+                raise RuntimeError(f"the engine's outbox failed: {self.failure!r}") from self.failure
             if self._queued == 0 and isinstance(message, Step) and len(message.outputs) <= self._direct_max:
-                self._send(message)
+                self._send(message, direct=True)
                 return
             self._queued += 1
         while self._thread.is_alive():  # (gone once the worker is: nothing to send to)
@@ -405,6 +414,8 @@ class Outbox:
                 return
             except queue.Full:
                 continue
+        if self.failure is not None:  # (it failed while this step waited for room)
+            raise RuntimeError(f"the engine's outbox failed: {self.failure!r}") from self.failure
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what waits, then stop the thread (at most `timeout` s: a worker that reads
@@ -423,8 +434,9 @@ class Outbox:
         except (OSError, ValueError):
             self._gone = True  # the worker is gone (a broken pipe): the main loop sees EOF and stops us
 
-    def _send(self, message: Step | Failed) -> None:
-        """Write a message; a step through the holder first (what it hands on, if anything)."""
+    def _send(self, message: Step | Failed, direct: bool = False) -> None:
+        """Write a message; a step through the holder first (what it hands on, if anything).
+        `direct`: written by the engine thread (`put`), not the outbox thread."""
         if self.holder is None or not isinstance(message, Step):
             self._write(_encode(message))
             return
@@ -432,9 +444,14 @@ class Outbox:
             outputs = self.holder.step(message.outputs, time.monotonic())
             if outputs or outputs.batch:  # (a step that hands on nothing still carries its metrics)
                 self._write(_encode(Step(outputs, message.step_s)))
-            if self._idle and self.holder.holding:  # (a direct step: the thread is to release them)
+            # A direct step that left tokens held while the thread waits with no timeout:
+            # wake it to release them when due (room: nothing is queued behind a direct
+            # step). The thread's own steps need no wake, it looks again after each; and
+            # its queue may be full then: a wake put there killed the thread (queue.Full),
+            # and with it every later step of the engine.
+            if direct and self._idle and self.holder.holding:
                 self._idle = False
-                self._queue.put_nowait(_WAKE)  # (room: a direct step means nothing is queued)
+                self._queue.put_nowait(_WAKE)
 
     def _release(self) -> None:
         """Held tokens that fell due with no step to carry them (steps slower than a tick)."""
@@ -444,6 +461,15 @@ class Outbox:
                 self._write(_encode(Step(due, 0.0)))
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.exception("the engine's outbox failed: its steps cannot reach the worker")
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    def _serve(self) -> None:
         while True:
             if self.holder is not None:
                 with self._holding:
@@ -462,6 +488,14 @@ class Outbox:
                 self._queued -= 1
             if self._gone:
                 return
+
+
+def _exit_failed(exc: BaseException) -> None:
+    """The child can no longer reach the worker (its outbox failed): exit at once, so the
+    worker sees its engine gone (`EngineProcess._child_gone`) and stops, its requests left
+    uncommitted for the next owner, instead of waiting for steps that were dropped."""
+    logging.shutdown()
+    os._exit(1)
 
 
 def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int,
@@ -489,7 +523,7 @@ def _child_main(commands, steps, engine_options: dict[str, Any], min_step_s: flo
     # throughput run (BENCHMARKS.md, "The collector's young threshold").
     tune_after_startup()
     write_frame(steps, _encode(Ready(engine_limits(engine))))
-    outbox = Outbox(steps, holder=TokenHolder(policy) if policy is not None else None)
+    outbox = Outbox(steps, holder=TokenHolder(policy) if policy is not None else None, on_failure=_exit_failed)
 
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
