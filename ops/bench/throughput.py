@@ -12,9 +12,10 @@ the engine alone; the same between the polls that read the first 10% and 90% of 
 results (`10-90%`: the rate once running, without the ramp-up while requests are still
 being sent, nor the tail); CPU time per token of the generate worker, its engine child,
 the derender and the broker (from /proc, over the whole run; the broker's when it listens
-on this machine: `n/a` otherwise; with --each-alone, its part of each stage, not counting
-this process's read of the chunks after the generate stage; one broker, topics of one
-replica: a cluster's replication adds to it); chunk and result records and their
+on this machine: `n/a` otherwise; every broker of the cluster that listens here, summed,
+so a local cluster's replication is in it (`genpipe broker up --brokers 3`: topics of 3
+replicas); with --each-alone, its part of each stage, not counting this process's read of
+the chunks after the generate stage); chunk and result records and their
 mean sizes; how old a result record is when read here (its timestamp -> read), p50/p99;
 and, from the generate worker's metrics (code that has it), how long a chunk's oldest
 token waited to be coalesced (`genpipe_chunk_hold_seconds`, p50/p99 interpolated in its
@@ -141,6 +142,24 @@ def listening_pid(port: int) -> int | None:
             except OSError:
                 continue  # (gone, or not ours to read)
     return None
+
+
+async def broker_ports(settings: KafkaSettings) -> list[int]:
+    """The client port of every broker in the cluster (its metadata), so the CPU of all the
+    local ones is counted, whichever of them --bootstrap-servers names."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**settings.client_kwargs())
+    await admin.start()
+    try:
+        return sorted(int(broker["port"]) for broker in (await admin.describe_cluster())["brokers"])
+    finally:
+        await admin.close()
+
+
+def broker_pids(settings: KafkaSettings) -> list[int]:
+    """The processes of the cluster's brokers that run on this machine (none: `n/a`)."""
+    return sorted({pid for port in asyncio.run(broker_ports(settings)) if (pid := listening_pid(port)) is not None})
 
 
 def collector_seconds(pid: int, since: float) -> float | None:
@@ -637,18 +656,22 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         engine_pid = children(procs["generate"].pid)[0]
         pids = {"gen": procs["generate"].pid, "engine": engine_pid, "der": procs["derender"].pid}
         held_before = hold_buckets(metrics_port)  # (after the warm-up: this load's chunks only)
-        # The broker's CPU too, when it runs here: with --each-alone, "broker" is the
+        # The brokers' CPU too, those that run here: with --each-alone, "broker" is the
         # generate stage's (requests in, chunks in) and "broker_der" the derender's (chunks
         # out, results in and out); without, "broker" is the whole run's.
-        broker = listening_pid(int(args.bootstrap_servers.split(",")[0].rsplit(":", 1)[1]))
+        brokers = broker_pids(settings)
+
+        def broker_cpu() -> float:
+            return sum(cpu_seconds(pid) for pid in brokers)
+
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        if broker is not None:
-            before["broker"] = cpu_seconds(broker)
+        if brokers:
+            before["broker"] = broker_cpu()
         after: dict[str, float] = {}  # --each-alone: generate's CPU, taken when its stage ends
 
-        def generated():  # every request ended: the broker's part of the generate stage
-            if broker is not None:
-                after["broker"] = before["broker_der"] = cpu_seconds(broker)
+        def generated():  # every request ended: the brokers' part of the generate stage
+            if brokers:
+                after["broker"] = before["broker_der"] = broker_cpu()
 
         def between():  # the generate stage is over: its CPU, then the derender's turn
             after.update((name, cpu_seconds(pids[name])) for name in ("gen", "engine"))
@@ -660,8 +683,8 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         run = asyncio.run(while_running(procs, run_load(settings, args, k, between if args.each_alone else None,
                                                         metrics_port, generated), log_dir))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | after
-        if broker is not None:
-            after["broker_der" if args.each_alone else "broker"] = cpu_seconds(broker)
+        if brokers:
+            after["broker_der" if args.each_alone else "broker"] = broker_cpu()
         held_after = hold_buckets(metrics_port)
         ended = time.time()
         collector = {name: collector_seconds(pid, ended) for name, pid in pids.items()}
