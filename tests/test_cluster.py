@@ -36,6 +36,22 @@ def cluster(tmp_path_factory):
         cluster_down(3, PORT, data_dir)
 
 
+def test_the_throughput_bench_counts_every_broker_of_a_local_cluster(cluster):
+    """ops/bench/throughput.py's broker CPU is the whole cluster's, whichever broker the
+    bootstrap list names: replication's cost is in it (BENCHMARKS.md, "The brokers' CPU
+    with replication"). It used to read only the first bootstrap port's process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops" / "bench"))
+    from throughput import broker_pids
+
+    pids = sorted(node.pid() for node in cluster.nodes)
+    assert len(set(pids)) == 3 and None not in pids
+    last_only = KafkaSettings(bootstrap_servers=f"127.0.0.1:{cluster.nodes[-1].port}")
+    assert broker_pids(last_only) == pids
+
+
 async def _leaders(settings, topic: str) -> dict[int, int]:
     admin = make_admin(settings)
     await admin.start()
