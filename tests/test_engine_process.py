@@ -117,7 +117,7 @@ def test_engine_process_failures_are_reported(tiny_model_dir, tmp_path, loop):
 
 
 def big_step(n: int, tokens: int = 2000):
-    from workers.generate.engine_process import Step
+    from workers.generate.engine_pipe import Step
     from workers.generate.outputs import RequestOutput, StepOutputs
 
     # ~10 KB each: a few fill the pipe's buffer, so the writes really wait on the reader
@@ -127,7 +127,8 @@ def big_step(n: int, tokens: int = 2000):
 def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
     import multiprocessing
 
-    from workers.generate.engine_process import Outbox, _decode_from_child, read_frame
+    from workers.generate.engine_child import Outbox
+    from workers.generate.engine_pipe import decode_from_child, read_frame
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=2)
@@ -139,7 +140,7 @@ def test_the_outbox_sends_every_step_in_order_even_those_waiting_at_close():
         outbox.close()
 
     def worker():
-        received.extend(_decode_from_child(read_frame(reader)).step_s for _ in range(30))
+        received.extend(decode_from_child(read_frame(reader)).step_s for _ in range(30))
 
     sender, taker = threading.Thread(target=engine), threading.Thread(target=worker)
     sender.start()  # puts wait on the full queue while nothing reads: the engine slows, nothing is dropped
@@ -159,18 +160,19 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
     import multiprocessing
     import termios
 
-    from workers.generate import engine_process
-    from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
+    from workers.generate import engine_child
+    from workers.generate.engine_child import Outbox
+    from workers.generate.engine_pipe import Step, decode_from_child, encode, read_frame
     from workers.generate.outputs import RequestOutput, StepOutputs
 
     writers: dict[float, str] = {}
-    real_write = engine_process.write_frame
+    real_write = engine_child.write_frame
 
     def write_frame(conn, payload):
-        writers[_decode_from_child(payload).step_s] = threading.current_thread().name
+        writers[decode_from_child(payload).step_s] = threading.current_thread().name
         real_write(conn, payload)
 
-    monkeypatch.setattr(engine_process, "write_frame", write_frame)
+    monkeypatch.setattr(engine_child, "write_frame", write_frame)
 
     def small(n: int):
         return Step(StepOutputs.of([RequestOutput(request_id=f"s-{n}", token_ids=[n])]), float(n))
@@ -186,17 +188,17 @@ def test_a_small_step_goes_out_on_the_engine_thread_but_never_ahead_of_queued_on
     outbox = Outbox(writer, depth=8, direct_max=1)
     outbox.put(small(0))
     assert writers == {0.0: threading.current_thread().name}, "a small step with nothing queued was handed over"
-    assert _decode_from_child(read_frame(reader)).step_s == 0.0
+    assert decode_from_child(read_frame(reader)).step_s == 0.0
     first = [big(1), big(2), big(3)]
     for step in first:
         outbox.put(step)
-    frame = 4 + len(engine_process._encode(big(1)))
+    frame = 4 + len(encode(big(1)))
     wait_until(lambda: in_pipe() > 2 * frame)  # nothing reads: the outbox thread now waits inside a write
     rest = [big(4), small(5), big(6), small(7)]
     put = threading.Event()
     threading.Thread(target=lambda: ([outbox.put(step) for step in rest], put.set()), daemon=True).start()
     assert put.wait(10), "a put waited on a write the worker was not reading"
-    received = [_decode_from_child(read_frame(reader)).step_s for _ in first + rest]
+    received = [decode_from_child(read_frame(reader)).step_s for _ in first + rest]
     assert received == [step.step_s for step in first + rest]
     assert writers[5.0] == writers[7.0] == "genpipe-engine-outbox"
     outbox.close()
@@ -210,7 +212,8 @@ def test_the_outbox_hands_on_what_its_holder_lets_through_and_held_tokens_once_d
     import time
 
     from workers.generate.chunks import ChunkPolicy
-    from workers.generate.engine_process import RELEASE_TICK_S, Outbox, Step, _decode_from_child, read_frame
+    from workers.generate.engine_child import RELEASE_TICK_S, Outbox
+    from workers.generate.engine_pipe import Step, decode_from_child, read_frame
     from workers.generate.outputs import StepCollector
     from workers.generate.token_holder import TokenHolder
 
@@ -226,17 +229,17 @@ def test_the_outbox_hands_on_what_its_holder_lets_through_and_held_tokens_once_d
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=4, direct_max=8, holder=holder)
     outbox.put(step([10, 20]))  # first tokens: at once
-    first = _decode_from_child(read_frame(reader))
+    first = decode_from_child(read_frame(reader))
     assert first.outputs.token_ids == (10, 20) and first.outputs.batch == 2
     for n in range(1, 4):
         started = time.monotonic()
         outbox.put(step([10 + n, 20 + n]))
-        held = _decode_from_child(read_frame(reader))  # a step that hands on nothing still says its size
+        held = decode_from_child(read_frame(reader))  # a step that hands on nothing still says its size
         assert not held.outputs and held.outputs.batch == 2
     assert time.monotonic() - started < 0.2
     assert not reader.poll(0.1)
     assert reader.poll(0.3 + 10 * RELEASE_TICK_S), "held tokens waited past the delay cap"
-    released = _decode_from_child(read_frame(reader))
+    released = decode_from_child(read_frame(reader))
     assert {out.request_id: out.token_ids for out in released.outputs.others} == {"r0": (11, 12, 13), "r1": (21, 22, 23)}
     assert released.step_s == 0.0 and not holder.held["r0"].pending_ids
     outbox.close()
@@ -251,7 +254,8 @@ def test_a_held_step_met_by_a_full_queue_does_not_stop_the_outbox():
     import multiprocessing
 
     from workers.generate.chunks import ChunkPolicy
-    from workers.generate.engine_process import Outbox, Step, _decode_from_child, read_frame
+    from workers.generate.engine_child import Outbox
+    from workers.generate.engine_pipe import Step, decode_from_child, read_frame
     from workers.generate.outputs import StepCollector
     from workers.generate.token_holder import TokenHolder
 
@@ -279,7 +283,7 @@ def test_a_held_step_met_by_a_full_queue_does_not_stop_the_outbox():
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=2, direct_max=0, holder=holder)  # (every step through the thread)
     outbox.put(step(0))  # first tokens: handed on at once; the thread is idle after it
-    assert _decode_from_child(read_frame(reader)).outputs.token_ids == (0, 100)
+    assert decode_from_child(read_frame(reader)).outputs.token_ids == (0, 100)
     outbox.put(step(1))  # held (the thread, in the holder, waits for the gate)
     assert holder.in_step.wait(30)
     outbox.put(step(2))
@@ -290,7 +294,7 @@ def test_a_held_step_met_by_a_full_queue_does_not_stop_the_outbox():
     got: dict[str, list[int]] = {"r0": [0], "r1": [100]}
     while got["r0"] != list(range(10)) or got["r1"] != list(range(100, 110)):
         assert reader.poll(10), f"tokens stopped arriving: {got}"
-        for out in _decode_from_child(read_frame(reader)).outputs:
+        for out in decode_from_child(read_frame(reader)).outputs:
             got[out.request_id].extend(out.token_ids)
     assert outbox.failure is None
     outbox.close()
@@ -303,7 +307,7 @@ def test_an_outbox_that_fails_says_so_and_drops_nothing_silently():
     import multiprocessing
 
     from workers.generate.chunks import ChunkPolicy
-    from workers.generate.engine_process import Outbox
+    from workers.generate.engine_child import Outbox
     from workers.generate.token_holder import TokenHolder
 
     class BrokenHolder(TokenHolder):
@@ -325,7 +329,7 @@ def test_an_outbox_that_fails_says_so_and_drops_nothing_silently():
 def test_a_worker_gone_does_not_hang_the_engine_on_the_outbox():
     import multiprocessing
 
-    from workers.generate.engine_process import Outbox
+    from workers.generate.engine_child import Outbox
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     outbox = Outbox(writer, depth=2)
@@ -374,7 +378,8 @@ def test_the_reader_stops_reading_while_steps_wait_unpublished_and_loses_none(lo
     import multiprocessing
     import types
 
-    from workers.generate.engine_process import Outbox, StepReader
+    from workers.generate.engine_child import Outbox
+    from workers.generate.engine_process import StepReader
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     sink = Sink(loop)
@@ -412,7 +417,8 @@ def test_a_failure_from_the_child_is_reported_once_and_ends_the_reading(loop):
     import multiprocessing
     import types
 
-    from workers.generate.engine_process import Failed, StepReader, _encode, write_frame
+    from workers.generate.engine_pipe import Failed, encode, write_frame
+    from workers.generate.engine_process import StepReader
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     sink, failures, gone = Sink(loop), [], []
@@ -421,9 +427,9 @@ def test_a_failure_from_the_child_is_reported_once_and_ends_the_reading(loop):
     transport, _ = asyncio.run_coroutine_threadsafe(
         loop.connect_read_pipe(lambda: StepReader(engine), reader), loop).result(10)
     for n in range(3):
-        write_frame(writer, _encode(big_step(n, tokens=10)))
-    write_frame(writer, _encode(Failed("RuntimeError: CUDA out of memory")))
-    write_frame(writer, _encode(big_step(9, tokens=10)))  # nothing after a failure is read
+        write_frame(writer, encode(big_step(n, tokens=10)))
+    write_frame(writer, encode(Failed("RuntimeError: CUDA out of memory")))
+    write_frame(writer, encode(big_step(9, tokens=10)))  # nothing after a failure is read
     wait_until(lambda: len(sink.steps) == 2)
     sink.publish(1)  # room for step 2
     wait_until(lambda: len(sink.steps) == 3)
@@ -444,7 +450,8 @@ def test_a_step_the_worker_cannot_take_fails_the_engine_instead_of_stalling_it(l
     import multiprocessing
     import types
 
-    from workers.generate.engine_process import StepReader, _encode
+    from workers.generate.engine_pipe import encode
+    from workers.generate.engine_process import StepReader
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     steps, failures = [], []
@@ -459,7 +466,7 @@ def test_a_step_the_worker_cannot_take_fails_the_engine_instead_of_stalling_it(l
                                    _fail=failures.append)
     transport, _ = asyncio.run_coroutine_threadsafe(
         loop.connect_read_pipe(lambda: StepReader(engine), reader), loop).result(10)
-    frames = [_encode(big_step(n, tokens=10)) for n in range(4)]  # one write (< PIPE_BUF): one read
+    frames = [encode(big_step(n, tokens=10)) for n in range(4)]  # one write (< PIPE_BUF): one read
     os.write(writer.fileno(), b"".join(len(frame).to_bytes(4, "big") + frame for frame in frames))
     wait_until(lambda: failures and transport.is_closing())
     assert steps == [0.0, 1.0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.generate.engine_process import Step, _decode_from_child, _encode
+from workers.generate.engine_pipe import Step, decode_from_child, encode
 from workers.generate.outputs import RequestOutput, StepOutputs
 
 
@@ -40,7 +40,7 @@ def outputs(draw):
 
 
 def through_the_pipe(step: list[RequestOutput]) -> StepOutputs:
-    message = _decode_from_child(_encode(Step(StepOutputs.of(step), 0.25)))
+    message = decode_from_child(encode(Step(StepOutputs.of(step), 0.25)))
     assert isinstance(message, Step) and message.step_s == 0.25
     return message.outputs
 

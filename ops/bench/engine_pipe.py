@@ -1,7 +1,7 @@
 """What one engine step costs on the engine → worker pipe, µs per output, two comparisons:
 
 1. pickle vs msgspec msgpack. Contender: the pipe as the engine child writes it
-   (workers/generate/engine_process.py: a `Step` of `StepOutputs`, the step column-wise)
+   (workers/generate/engine_pipe.py: a `Step` of `StepOutputs`, the step column-wise)
    and the worker reads it. Reference: pickle (protocol 5) of the same step's outputs as
    a `RequestOutput` each, what the pipe carried first.
 2. A struct per output vs columns. Reference: a step as a list of `RequestOutput` structs
@@ -29,7 +29,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from workers.generate.engine_process import Step, _decode_from_child, _encode  # noqa: E402
+from workers.generate.engine_pipe import Step, decode_from_child as _decode_from_child, encode as _encode  # noqa: E402
 from workers.generate.outputs import RequestOutput, StepCollector  # noqa: E402
 from workers.generate.synthetic import synthetic_entries, synthetic_token  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from workers.gc_tuning import YOUNG_THRESHOLD  # noqa: E402
-from workers.generate.engine_process import Step, _decode_from_child, _encode  # noqa: E402
+from workers.generate.engine_pipe import Step, decode_from_child as _decode_from_child, encode as _encode  # noqa: E402
 from workers.generate.outputs import RequestOutput, StepOutputs  # noqa: E402
 from workers.generate.synthetic import synthetic_entries  # noqa: E402
 

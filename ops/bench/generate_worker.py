@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 STEP_S = 0.002  # each step's time, as the engine reports it (the metrics observe it)
 sys.path.insert(0, str(HERE.parent))
-from paired import Message, publishing, compare, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
+from paired import Message, publishing, compare, engine_pipe, fixed_chunk_policy, use_code, worktree  # noqa: E402  (ops/bench/paired.py)
 
 
 # --- a child: one side, its runs timed ----------------------------------------------------
@@ -50,11 +50,10 @@ class Engine:
 
     def __init__(self):
         from schemas.validation import validate_request
-        from workers.generate import engine_process
         from workers.generate.engine_thread import engine_limits
         from workers.generate.synthetic import SyntheticEngine
 
-        self._encode, self._add = engine_process._encode, engine_process.Add
+        self._encode, _, self._add, _ = engine_pipe()
         self._validate, self._limits = validate_request, engine_limits(SyntheticEngine())
 
     def validate(self, request) -> None:
@@ -107,7 +106,6 @@ def build(k: int, requests: int, tokens: int, prompt_tokens: int, chunk_tokens: 
     sends them, so in code with a token holder on the engine's side (workers/generate/
     token_holder.py) what it hands on, with the side's chunk policy and a lagging producer."""
     from schemas import GenerateRequest, SamplingParams, encode, headers_for
-    from workers.generate import engine_process
     from workers.generate.synthetic import SyntheticEngine
 
     try:
@@ -127,20 +125,20 @@ def build(k: int, requests: int, tokens: int, prompt_tokens: int, chunk_tokens: 
     engine = SyntheticEngine(step_s=0.0, max_batch=requests)
     for r in reqs:
         engine.add(r)
+    pipe_encode, _, _, Step = engine_pipe()
     steps = []
     while engine.has_work():
         step = engine.step()
         if holder is not None:
             step = holder.step(step, time.monotonic())
         if step:
-            steps.append(engine_process._encode(engine_process.Step(step, STEP_S)))
+            steps.append(pipe_encode(Step(step, STEP_S)))
     return messages, steps, requests * tokens
 
 
 async def run_side(messages, steps, chunk_tokens: int):
     from aiokafka import TopicPartition
 
-    from workers.generate import engine_process
     from workers.generate.service import EngineOutputs
     from workers.generate.worker import GenerateHandler
     from workers.kafka.offsets import PartitionOffsets
@@ -158,7 +156,7 @@ async def run_side(messages, steps, chunk_tokens: int):
     reader = EngineOutputs(asyncio.get_running_loop())  # what the pipe reader hands each step to
     reader.engine, reader.handler = handler.engine, handler
     msgs = [Message(*m) for m in messages]
-    decode = engine_process._decode_from_child
+    _, decode, _, _ = engine_pipe()
     start = time.process_time()
     for m in msgs:  # as the consumer loop: the offset seen, then the handler
         offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)

@@ -86,6 +86,19 @@ def compare(script: Path, ref: Path, new: Path, child_args: list[str], workloads
     return 0 if same else 1
 
 
+def engine_pipe():
+    """The side's engine pipe: (encode, decode_from_child, Add, Step). In
+    workers/generate/engine_pipe.py; in engine_process.py in code older than 2026-12-04."""
+    try:
+        from workers.generate import engine_pipe as pipe
+
+        return pipe.encode, pipe.decode_from_child, pipe.Add, pipe.Step
+    except ImportError:
+        from workers.generate import engine_process as old
+
+        return old._encode, old._decode_from_child, old.Add, old.Step
+
+
 def use_code() -> str:
     """In a child: put its checkout's packages first and check they are the ones imported."""
     code = os.environ.get("GENPIPE_BENCH_CODE", str(ROOT))

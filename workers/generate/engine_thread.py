@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from schemas.validation import validate_request
 from workers.generate.chunks import ChunkPolicy
@@ -111,3 +111,15 @@ class EngineThread:
 def engine_limits(engine) -> dict[str, int]:
     """validate_request's keyword arguments for an engine (the model's or the synthetic one)."""
     return dict(max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+
+
+def make_engine(options: dict[str, Any]):
+    """The engine `options` describe: `Engine(**options)`, or with a "synthetic" entry the
+    benchmarking `SyntheticEngine(**options["synthetic"])` (no model)."""
+    if "synthetic" in options:
+        from workers.generate.synthetic import SyntheticEngine
+
+        return SyntheticEngine(**options["synthetic"])
+    from workers.generate.engine import Engine
+
+    return Engine(**options)

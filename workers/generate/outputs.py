@@ -1,7 +1,7 @@
 """What an engine step produces: plain data, no torch.
 
 The engine child process sends these to the worker (msgspec msgpack, as arrays:
-workers/generate/engine_process.py); keeping the class out of the torch-importing engine
+workers/generate/engine_pipe.py); keeping the class out of the torch-importing engine
 module lets the worker process decode them without loading torch (~0.5 GB resident for
 the CUDA build, BENCHMARKS.md "Soak")."""
 

@@ -11,7 +11,8 @@ from typing import Callable
 
 from schemas import Cancel, RecordError
 from workers.generate.admission import WaitingQueue
-from workers.generate.engine_process import EngineProcess, make_engine
+from workers.generate.engine_process import EngineProcess
+from workers.generate.engine_thread import make_engine
 from workers.generate.engine_thread import EngineThread
 from workers.generate.logprob_entries import resolve_pending
 from workers.generate.outputs import StepOutputs

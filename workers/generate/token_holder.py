@@ -5,7 +5,7 @@ The chunk policy (workers/generate/chunks.py `ChunkPolicy`) decides when a reque
 pending tokens leave as a chunk. It used to be applied in the worker's process, which
 then received every token of every step through the engine pipe and walked them one by
 one, on the one core that also runs the Kafka loop. Applied here, on the engine's side
-of the pipe (the engine process's outbox thread, workers/generate/engine_process.py
+of the pipe (the engine process's outbox thread, workers/generate/engine_child.py
 `Outbox`, or an engine thread in the worker's process: engine_thread.py), a step's tokens
 are added to per-request lists and only the requests whose chunk is due cross over, each
 as one `RequestOutput` with all its held tokens: at batch 256 the worker handles one

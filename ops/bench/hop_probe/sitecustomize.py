@@ -46,18 +46,22 @@ if os.environ.get("GENPIPE_HOP_PROBE"):
             _file = open(path, "a", buffering=1)  # a line at a time: the child ends with os._exit
         _file.write("\t".join(str(f) for f in fields) + "\n")
 
-    def _patch_engine_process(module) -> None:
+    def _patch_outbox(module) -> None:
+        """The engine child's outbox (engine_child.py; engine_process.py before 2026-12-04)."""
         outbox_send = module.Outbox._send
 
-        def _send(self, message):
+        def _send(self, message, *args, **kwargs):
             if self.holder is None or not isinstance(message, module.Step):
-                return outbox_send(self, message)
+                return outbox_send(self, message, *args, **kwargs)
             enter = _clock()
-            outbox_send(self, message)
+            outbox_send(self, message, *args, **kwargs)
             _line("out", message.outputs.sampled_at_ns, enter, _clock())
 
         module.Outbox._send = _send
 
+    def _patch_engine_process(module) -> None:
+        if hasattr(module, "Outbox"):  # (older code)
+            _patch_outbox(module)
         reader_received = module.StepReader.data_received
 
         def data_received(self, data):
@@ -152,6 +156,7 @@ if os.environ.get("GENPIPE_HOP_PROBE"):
     gc.callbacks.append(_on_collect)
 
     _PATCHES = {"workers.generate.engine_process": _patch_engine_process,
+                "workers.generate.engine_child": _patch_outbox,
                 "workers.generate.worker": _patch_worker,
                 "workers.generate.publish_steps": _patch_publish_steps,
                 "workers.kafka.publisher": _patch_publisher}
