@@ -108,6 +108,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from schemas.errors import ValidationError  # noqa: E402
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 from soak import free_port  # noqa: E402  (ops/bench/soak.py)
 from pipeline import log_append_time, pct  # noqa: E402  (ops/bench/pipeline.py)
@@ -809,7 +810,11 @@ def main() -> None:
         for kind in args.kind:
             for k in args.k:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
-                offered, load.step_s = engine_alone(load, k)
+                try:
+                    offered, load.step_s = engine_alone(load, k)
+                except ValidationError as exc:  # completions' logprobs=20 asks for 21 candidates, over max_logprobs
+                    print(f"{'':<9} {kind:<10} {text:<9} {k:>3} not measured: the engine refuses it ({exc})")
+                    continue
                 print(f"    engine alone: {offered:,.0f} tok/s, {load.step_s * 1000:.2f} ms per step")
                 sides = [(f"{args.reference[:9]}", reference)] if reference is not None else []
                 sides.insert(0 if args.this_first else len(sides), ("this", None))
