@@ -106,6 +106,37 @@ async def test_a_synthetic_generate_worker_streams_its_tokens_through_kafka(kafk
         assert got[r.request_id] == [synthetic_token(r.request_id, j, 2000) for j in range(20 + i)]
 
 
+@pytest.mark.kafka
+async def test_a_worker_whose_engine_makes_no_step_stops_and_the_next_owner_finishes_its_request(
+        kafka_settings, make_topics):
+    """An engine that makes no step while a request is in it (here: steps of 3 s against a
+    stall limit of 0.5 s; in a deployment a hung GPU call, or a thread that died) stops its
+    worker with the reason, instead of the request waiting for good behind a worker that
+    still heartbeats; nothing was committed, so the next worker of the group redoes it."""
+    from tests.test_generate_worker import produce, request_record, start_worker
+
+    await make_topics(kafka_settings, partitions=1)
+    stuck_stop, stuck = await start_worker(kafka_settings, None, engine="synthetic", synthetic_step_s=3.0,
+                                           max_batch=4, engine_in="process", engine_stall_s=0.5)
+    r = req("stalled", max_tokens=5)
+    try:
+        await produce(kafka_settings, [request_record(r)], partitions=1)
+        with pytest.raises(RuntimeError, match=r"the engine made no step for \d+ s with 1 request in it"):
+            await asyncio.wait_for(stuck, 60)
+    finally:
+        stuck_stop.set()
+    healthy_stop, healthy = await start_worker(kafka_settings, None, engine="synthetic", synthetic_step_s=0.002,
+                                               max_batch=4, engine_in="process")
+    try:
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({r.request_id}), timeout=120)
+    finally:
+        healthy_stop.set()
+    assert await asyncio.wait_for(healthy, 60) == 0
+    chunks = [decode_message(record, GenerateChunk) for record in records]
+    assert [t for c in chunks for t in c.token_ids] == [synthetic_token(r.request_id, j, 2000) for j in range(5)]
+    assert [c.finish_reason for c in chunks][-1] == "length"
+
 
 def test_max_tokens_zero_is_the_prompt_only():
     engine = SyntheticEngine(step_s=0.0, max_batch=2, vocab_size=2000)

@@ -18,6 +18,8 @@ def parse(argv: list[str]):
     (["generate-worker", "--coalesce-max-delay-ms", "nan"], "argument --coalesce-max-delay-ms: must be at least 0.0"),
     (["generate-worker", "--saturated-stretch", "0.5"], "argument --saturated-stretch: must be at least 1.0, got 0.5"),
     (["generate-worker", "--prefill-chunk", "many"], "argument --prefill-chunk: expected an integer, got 'many'"),
+    (["generate-worker", "--engine-stall-s", "-1"], "argument --engine-stall-s: must be at least 0.0, got -1"),
+    (["generate-worker", "--engine-stall-s", "nan"], "argument --engine-stall-s: must be at least 0.0"),
     (["derender-worker", "--commit-interval-ms", "0"], "argument --commit-interval-ms: must be at least 1.0, got 0"),
     (["derender-worker", "--max-logprobs", "-2"], "argument --max-logprobs: must be at least -1, got -2"),
 ])
@@ -43,6 +45,10 @@ def test_defaults_and_good_values_parse_to_numbers(monkeypatch):
     args = parse(["generate-worker", "--coalesce-max-tokens", "4", "--min-step-ms", "20"])
     assert (args.max_batch, args.coalesce_max_tokens, args.min_step_ms, args.max_logprobs) == (32, 4, 20.0, 20)
     assert parse(["derender-worker", "--max-logprobs", "-1"]).max_logprobs == -1
+    monkeypatch.delenv("GENPIPE_ENGINE_STALL_S", raising=False)
+    assert parse(["generate-worker"]).engine_stall_s == 120.0
+    monkeypatch.setenv("GENPIPE_ENGINE_STALL_S", "0")
+    assert parse(["generate-worker"]).engine_stall_s == 0.0  # (off)
 
 
 def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypatch, capsys):

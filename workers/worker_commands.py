@@ -10,6 +10,7 @@ import sys
 
 from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of
 from workers.derender.state import DEFAULT_MODEL_NAME
+from workers.generate.stall import ENGINE_STALL_S
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 
@@ -99,6 +100,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         engine=args.engine, synthetic_step_s=args.step_ms / 1000, synthetic_tokens=args.synthetic_tokens,
         reply_topic_pattern=args.reply_topic_pattern, queue_requests=args.queue_requests,
         queue_tokens=args.queue_tokens, group_instance_id=args.group_instance_id or None, assignor=args.assignor,
+        engine_stall_s=args.engine_stall_s,
         policy=ChunkPolicy(max_tokens=args.coalesce_max_tokens, max_delay_s=args.coalesce_max_delay_ms / 1000,
                            max_records_per_s=args.max_chunk_rate, saturated_stretch=args.saturated_stretch))
     return _serve_with_metrics(args, run_generate_worker(settings, config, on_ready=_ready("generate")))
@@ -220,6 +222,13 @@ def register(sub) -> None:
                      help="make each engine step last at least this long (default 0: as fast as the model "
                           "runs). For benchmarks and demos: 20 gives the built-in tiny model a real "
                           "model's pace of ~50 tokens/s per request")
+    gen.add_argument("--engine-stall-s", type=at_least(0.0, float),
+                     default=os.environ.get("GENPIPE_ENGINE_STALL_S", str(ENGINE_STALL_S)),
+                     help="the engine is stuck when it makes no step for this long while requests are in "
+                          "it and none of its steps waits to be published (env GENPIPE_ENGINE_STALL_S; "
+                          "default %(default)s s; 0: never): the worker then stops, exit code 1, and the "
+                          "partitions' next owner redoes its requests, instead of them waiting for good "
+                          "behind a worker that still looks alive to its group")
     gen.add_argument("--queue-requests", type=at_least(1), default=os.environ.get("GENPIPE_QUEUE_REQUESTS", "1024"),
                      help="requests read ahead and waiting to start, at most (env GENPIPE_QUEUE_REQUESTS; "
                           "default %(default)s). The priority order applies among these; reading pauses "

@@ -12,10 +12,10 @@ from typing import Callable
 from schemas import Cancel, RecordError
 from workers.generate.admission import WaitingQueue
 from workers.generate.engine_process import EngineProcess
-from workers.generate.engine_thread import make_engine
-from workers.generate.engine_thread import EngineThread
+from workers.generate.engine_thread import EngineThread, make_engine
 from workers.generate.logprob_entries import resolve_pending
 from workers.generate.outputs import StepOutputs
+from workers.generate.stall import ENGINE_STALL_S, StallWatch
 from workers.generate.chunks import W, ChunkPolicy
 from workers.generate.worker import GenerateHandler
 from workers.kafka.follow import follow
@@ -58,6 +58,7 @@ class GenerateWorkerConfig:
     queue_tokens: int = 1_000_000  # ... and of their prompt tokens
     group_instance_id: str | None = None  # static membership (docs/design.md §7)
     assignor: str = "sticky"  # or "roundrobin": aiokafka's default, nothing kept (benchmark reference)
+    engine_stall_s: float = ENGINE_STALL_S  # no step this long with requests in the engine: stuck (stall.py); 0 off
 
     @property
     def engine_slots(self) -> int:
@@ -113,9 +114,11 @@ class EngineOutputs:
     its ready queue: chunk ages of 0.4-3.3 s at p99 measured at k=5 on 2 cores, with
     memory to match, and the loop's heartbeats and fetches waiting behind them."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_steps_waiting: int = 4):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_steps_waiting: int = 4,
+                 stall_s: float = ENGINE_STALL_S):
         self.loop = loop
         self.max_steps_waiting = max_steps_waiting
+        self.stall = StallWatch(stall_s)  # every step counts as the engine's progress (stall.py)
         self.engine = None
         self.handler: GenerateHandler | None = None
         self.metrics = StepMetrics(loop)
@@ -123,11 +126,13 @@ class EngineOutputs:
 
     def on_step(self, outputs: StepOutputs, step_s: float) -> asyncio.Future | None:
         """On the loop: one step to the handler; returns its publish step (None: none)."""
+        self.stall.stepped()
         self.metrics.observe(outputs, step_s)
         return self._publish(outputs)
 
     def deliver(self, outputs: StepOutputs, step_s: float) -> None:
         """On an engine thread of this process: waits for room, then hands the step over."""
+        self.stall.stepped()
         if outputs or self.engine.failure is not None:
             while not self._room.acquire(timeout=0.5):
                 if self.loop.is_closed():
@@ -198,7 +203,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     of this process); otherwise one is loaded from `config`, in a child process unless
     config.engine_in is "thread"."""
     rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)  # a bad pattern fails before the model loads
-    outputs = EngineOutputs(asyncio.get_running_loop())
+    outputs = EngineOutputs(asyncio.get_running_loop(), stall_s=config.engine_stall_s)
     if engine is None and config.engine_in == "process":
         outputs.engine = EngineProcess(engine_options(config), outputs.on_step, min_step_s=config.min_step_s,
                                        threads=config.threads, max_steps_waiting=outputs.max_steps_waiting,
@@ -227,7 +232,7 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                                           max_running=config.engine_slots, policy=config.policy,
                                           reply_rule=rule,
                                           waiting=WaitingQueue(config.queue_requests, config.queue_tokens),
-                                          bulk_limit=config.bulk_limit)
+                                          bulk_limit=config.bulk_limit, stall=outputs.stall)
         return outputs.handler
 
     def on_cancel(message) -> None:

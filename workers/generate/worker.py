@@ -25,6 +25,7 @@ from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
 from workers.generate.outputs import StepOutputs
 from workers.generate.publish_steps import PublishSteps
+from workers.generate.stall import StallWatch
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import (FinishedAhead, PartitionOffsets, Release, decode_finished, encode_finished,
                                    release_when_settled)
@@ -43,7 +44,7 @@ class GenerateHandler(Handler):
     def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
                  engine_thread, *, max_running: int, policy: ChunkPolicy | None = None,
                  reply_rule: ReplyTopicRule | None = None, waiting: WaitingQueue | None = None,
-                 bulk_limit: int | None = None):
+                 bulk_limit: int | None = None, stall: StallWatch | None = None):
         self.settings = settings
         self.reply_rule = reply_rule or reply_topic_rule(settings.topic_prefix)
         self.publisher = publisher
@@ -71,6 +72,7 @@ class GenerateHandler(Handler):
         self._draining = False  # shutdown: nothing more is admitted
         self._ttft = series(TTFT, W)
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
+        self.stall = stall  # the engine's progress, checked every tick (stall.py); None: not watched
 
     # --- requests in ------------------------------------------------------------------
 
@@ -238,6 +240,8 @@ class GenerateHandler(Handler):
     async def tick(self) -> None:
         if self.engine.failure is not None:
             raise RuntimeError(f"engine failed: {self.engine.failure!r}")
+        if self.stall is not None and (stuck := self.stall.stuck(len(self.inflight), bool(self.steps.under_way))):
+            raise RuntimeError(stuck)
         now_ms = time.time() * 1000
         for request_id, deadline_ms in self._deadlines.items():
             if deadline_ms <= now_ms:  # (the engine ends it: its final output comes, _leave forgets it)
