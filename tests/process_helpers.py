@@ -107,8 +107,23 @@ def uninterrupted_texts(model_dir, requests) -> dict[str, str]:
         prompt_count=len(r.prompt_token_ids)))) for r in requests}
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS's pick)."""
+def free_port(span: int = 1) -> int:
+    """A TCP port nothing listens on now (the OS's pick), and the `span - 1` after it too: a
+    local broker takes PORT and PORT + 1 (its controller). With one port checked, the
+    broker of tests/test_kafka_kit.py once found its controller's taken."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + span - 1 <= 65535 and all(_bindable(port + i) for i in range(1, span)):
+            return port
+    raise RuntimeError(f"no {span} free TCP ports in a row found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

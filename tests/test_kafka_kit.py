@@ -17,7 +17,7 @@ from workers.broker import local
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tools ops/device/throughput_gpu.sh calls; java is not one of them.
-SCRIPT_TOOLS = ("bash", "rm", "mkdir", "date", "df", "awk", "grep", "dirname")
+SCRIPT_TOOLS = ("bash", "rm", "cp", "mkdir", "date", "df", "awk", "grep", "dirname")
 
 
 def test_a_broker_probe_without_the_kafka_client_says_so(monkeypatch):
@@ -51,7 +51,7 @@ def test_the_gpu_throughput_script_runs_the_real_engine_through_a_broker_from_th
     packed = subprocess.run([sys.executable, "ops/device/kafka_kit.py", "pack", "--out", str(kit), "--no-wheels",
                              "--no-compress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert packed.returncode == 0, packed.stderr
-    port = free_port()
+    port = free_port(span=2)  # (the broker's controller takes the next one)
     env = dict(os.environ, PATH=path_without_java(tmp_path / "bin"), KIT=str(kit), WORK=str(tmp_path / "work"),
                PORT=str(port), SHAPES="tiny", DEVICE="cpu", DTYPE="float32", BATCH="16", REQUESTS="48",
                MAX_TOKENS="12", KS="0", SYNTHETIC="1", SYN_REQUESTS="64")
@@ -72,4 +72,7 @@ def test_the_gpu_throughput_script_runs_the_real_engine_through_a_broker_from_th
     assert "broker us/tok" in out and not any("n/a" in row for row in rows), out[-4000:]
     assert "--coalesce-max-delay-ms 4" in out
     assert not local.answers(port), "the script left its broker running"
+    # nor its data on tmpfs (memory: each run left ~20 MB there for good), its log kept
+    assert not Path(f"/dev/shm/genpipe-gpu-broker-{port}").exists()
+    assert (tmp_path / "work" / "broker.log").exists() or (tmp_path / "work" / "broker" / "broker.log").exists()
 

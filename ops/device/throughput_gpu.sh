@@ -46,8 +46,17 @@ if [ "$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')" -gt 4194304 ] 2>/
 else
     echo "note: /dev/shm has under 4 GiB free: the broker's data is on $WORK's disk"
 fi
+# At exit, a start that failed too: the broker down, and its data off tmpfs (memory, not
+# disk: each run left ~20 MB there for good), its log kept in $WORK.
+stop_broker() {
+    python3 -m workers.cli broker down --port "$PORT" --data-dir "$data" > /dev/null 2>&1 || true
+    if [ "$data" != "$WORK/broker" ]; then
+        cp "$data/broker.log" "$WORK/broker.log" 2> /dev/null || true
+        rm -rf "$data"
+    fi
+}
+trap stop_broker EXIT
 python3 -m workers.cli broker up --port "$PORT" --data-dir "$data"
-trap 'python3 -m workers.cli broker down --port "$PORT" --data-dir "$data" > /dev/null 2>&1 || true' EXIT
 
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}")'
