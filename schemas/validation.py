@@ -43,8 +43,23 @@ def check_logprobs_count(field: str, value: int | None, max_logprobs: int = DEFA
                          f"deployment's max_logprobs is {max_logprobs}")
 
 
+def candidate_cap(kind: str, max_logprobs: int) -> int:
+    """How many candidates per position generate may be asked for, for a deployment whose
+    clients may ask for up to `max_logprobs` (-1: no cap).
+
+    A deployment's `max_logprobs` caps what the client asks for, as in vLLM: chat's
+    `top_logprobs` and a completion's `logprobs` alike. A completion's k needs k+1
+    candidates from generate (the sampled token besides the top k, docs/design.md §5.4),
+    so its requests may carry one more; chat's carry k.
+    """
+    if max_logprobs < 0 or kind != "completion":
+        return max_logprobs
+    return max_logprobs + 1
+
+
 def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                       vocab_size: int | None = None) -> None:
+    """`max_logprobs` here caps the candidates asked of generate (`candidate_cap`)."""
     if p.max_tokens is not None and p.max_tokens < 0:
         _fail("sampling.max_tokens", f"must be >= 0 (0: the prompt only, with echo / prompt_logprobs), "
                                      f"got {p.max_tokens}")
@@ -101,7 +116,15 @@ def validate_request(req: GenerateRequest, *, max_logprobs: int = DEFAULT_MAX_LO
     if max_model_len is not None and len(req.prompt_token_ids) >= max_model_len:
         _fail("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens but the model's context "
                                   f"is {max_model_len}, leaving no room to generate")
-    validate_sampling(req.sampling, max_logprobs=max_logprobs, vocab_size=vocab_size)
+    cap = candidate_cap(req.output.kind, max_logprobs)
+    try:
+        validate_sampling(req.sampling, max_logprobs=cap, vocab_size=vocab_size)
+    except ValidationError as e:
+        if cap == max_logprobs or e.field not in ("sampling.logprobs", "sampling.prompt_logprobs"):
+            raise
+        # the client asked for k; name its k, not only the k+1 it became
+        raise ValidationError(f"{e.message} (a completion's logprobs=k asks generate for k+1 candidates, "
+                              f"so k may be 0..{max_logprobs})", field=e.field) from None
     validate_output(req.output, max_logprobs=max_logprobs)
     if req.reply_topic is not None and not _TOPIC_NAME.match(req.reply_topic):
         _fail("reply_topic", f"is not a valid Kafka topic name: {req.reply_topic!r}")

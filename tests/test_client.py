@@ -148,7 +148,9 @@ async def test_chat_stream_and_completion_with_logprobs_match_the_sampled_ids(pi
     comp_opts = dict(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True, logprobs=3, created=1700000000)
     comp_final = make_request(prompt_ids, stream=False, **comp_opts)
     comp_stream = make_request(prompt_ids, stream=True, include_usage=True, **comp_opts)
-    invalid = make_request(prompt_ids, logprobs=30)  # asks generate for 31 > max_logprobs 20
+    # logprobs=20, the deployment's max_logprobs: generate is asked for 21 candidates
+    comp_max = make_request(prompt_ids, stream=False, temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)
+    invalid = make_request(prompt_ids, logprobs=30)  # asks generate for 31, past 20 + 1
 
     async with GenpipeClient(settings=settings, timeout_s=60) as client:
         async def collect(request):
@@ -162,12 +164,13 @@ async def test_chat_stream_and_completion_with_logprobs_match_the_sampled_ids(pi
         # every request in flight at once on one client; the streamed chat also goes
         # through complete() (a second request id: one stream per id)
         chat_stream_again = msgspec.structs.replace(chat_stream, request_id="again-" + chat_stream.request_id)
-        streamed, from_chat_stream, chat, comp, from_comp_stream, error = await asyncio.gather(
+        streamed, from_chat_stream, chat, comp, from_comp_stream, error, at_max = await asyncio.gather(
             collect(chat_stream), client.complete(chat_stream_again), client.complete(chat_final),
-            client.complete(comp_final), client.complete(comp_stream), error_of(invalid))
+            client.complete(comp_final), client.complete(comp_stream), error_of(invalid),
+            client.complete(comp_max))
 
     chunks = await sampled_chunks(settings, [r.request_id for r in (
-        chat_stream, chat_stream_again, chat_final, comp_final, comp_stream)])
+        chat_stream, chat_stream_again, chat_final, comp_final, comp_stream, comp_max)])
 
     # chat, streamed: ordered chunks, no restart, text and logprobs of the sampled ids
     assert all(isinstance(i, ChatCompletionChunk) for i in streamed), streamed
@@ -205,8 +208,15 @@ async def test_chat_stream_and_completion_with_logprobs_match_the_sampled_ids(pi
     assert from_comp_stream == render_unstreamed(tiny_model_dir, chunks[comp_stream.request_id])
     assert len(from_comp_stream.choices[0].logprobs.tokens) == 10
 
-    # an invalid request: one error result, raised with its type
-    assert error.type == "invalid_request_error" and "logprobs" in error.message
+    # a completion's logprobs at the cap: 21 candidates a position, the sampled token first
+    assert isinstance(at_max, Completion) and len(at_max.choices[0].logprobs.tokens) == 4
+    positions = [p for c in chunks[comp_max.request_id] if c.logprobs for p in c.logprobs.content]
+    assert len(positions) == 4 and all(len(p.top_logprobs) == 21 for p in positions)
+    for token, top in zip(at_max.choices[0].logprobs.tokens, at_max.choices[0].logprobs.top_logprobs):
+        assert next(iter(top)) == token and 1 <= len(top) <= 21
+
+    # an invalid request: one error result, raised with its type, naming the k asked for
+    assert error.type == "invalid_request_error" and "so k may be 0..20" in error.message
 
 
 async def test_duplicates_and_restarts_are_hidden(kafka_settings, make_topics, capsys):
@@ -330,7 +340,7 @@ async def test_submit_prints_the_streamed_text_and_tail_follows(pipeline, tiny_m
     rc = await cli("submit", *kafka_args(settings), "--token-ids", "1,5,6", "--logprobs", "30")
     out, err = capsys.readouterr()
     assert rc == 1 and len(err.strip().splitlines()) == 1
-    assert err.startswith("genpipe submit: error (invalid_request_error):") and "logprobs" in err
+    assert err.startswith("genpipe submit: error (invalid_request_error):") and "k may be 0..20" in err
 
     rc = await cli("tail", *kafka_args(settings), "--request-id", "cli-1", "--from-beginning", "--until-final")
     out, err = capsys.readouterr()

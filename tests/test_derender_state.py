@@ -122,11 +122,19 @@ def test_top_entry_out_of_vocab_and_too_many(d, tables):
     positions[0].top_logprobs.append(GenerateLogProb(token_id=tables.size + 5, logprob=-3.0, rank=2))
     cs = make_chunks("r", ids, output=STREAM, positions=positions)
     assert "out of vocabulary" in only_error(d.process(cs[0])).value.error.message
-    positions = [position(i, list(range(10, 20)), n=6) for i in ids]  # 6 > max_logprobs=5
+    # a completion's logprobs=5 asks for the sampled token + the top 5: 6 entries are its
+    # most, 7 too many; a chat's top_logprobs=5 asks for 5 (docs/design.md §5.4)
+    positions = [position(i, list(range(10, 20)), n=7) for i in ids]
     cs = make_chunks("r2", ids, output=STREAM, positions=positions)
-    assert "max_logprobs=5" in only_error(d.process(cs[0])).value.error.message
-    positions = [position(i, list(range(10, 20)), n=5) for i in ids]
+    message = only_error(d.process(cs[0])).value.error.message
+    assert "7 top entries, more than a completion may hold (6, max_logprobs=5 + the sampled token)" in message
+    positions = [position(i, list(range(10, 20)), n=6) for i in ids]
     assert results(d.process(make_chunks("r3", ids, output=STREAM, positions=positions)[0]))[0].final is False
+    chat = OutputOptions(kind="chat", stream=True, top_logprobs=5)
+    cs = make_chunks("r4", ids, output=chat, positions=[position(i, list(range(10, 20)), n=6) for i in ids])
+    assert "6 top entries, more than a chat may hold (max_logprobs=5)" in only_error(d.process(cs[0])).value.error.message
+    cs = make_chunks("r5", ids, output=chat, positions=[position(i, list(range(10, 20)), n=5) for i in ids])
+    assert results(d.process(cs[0]))[0].final is False
 
 
 @pytest.mark.parametrize("case", ["past", "negative", "past_rank_k", "cut_by_stop", "count_later", "error_chunk"])
@@ -152,7 +160,7 @@ def test_completion_bad_candidate_error_is_check_chunks(tables, case):
                      finish_reason="error" if case == "error_chunk" else "length")
     if case == "error_chunk":
         cs[0].error = ChunkError(message="engine failed", type="server_error")
-    want = check_chunk(cs[0], tables.size, 5, 0)
+    want = check_chunk(cs[0], tables.size, 5, 0, kind="completion")
     assert want is not None
     got = only_error(Derenderer(tables, max_logprobs=5).process(cs[0])).value.error.message
     assert got == f"derender: bad chunk for request 'r': {want}"

@@ -82,7 +82,7 @@ async def test_hundred_concurrent_requests_through_two_of_each_worker(kafka_sett
     errors = {r.request_id: o for r, o in zip(requests, outcomes) if isinstance(o, GenpipeError)}
     assert set(errors) == {"e2e-10", "e2e-20"}
     assert "prompt_token_ids must be non-empty" in str(errors["e2e-10"])
-    assert "sampling.logprobs must be -1 or 0..20, got 99" in str(errors["e2e-20"])
+    assert "sampling.logprobs must be -1 or 0..21, got 99" in str(errors["e2e-20"])  # a completion: k+1
 
     # the sampled ids of each request's winning attempt (the one with a final chunk)
     chunks: dict[str, list[GenerateChunk]] = {}

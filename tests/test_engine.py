@@ -333,7 +333,7 @@ def test_validation_errors(make_engine, prompts):
     with pytest.raises(ValidationError, match=r"prompt_token_ids\[1\].*out of range.*2000"):
         engine.add(req("oov", [1, 2000, 5]))
     with pytest.raises(ValidationError, match="sampling.logprobs"):
-        engine.add(req("lp", [1, 5], logprobs=21))
+        engine.add(req("lp", [1, 5], logprobs=22))  # a completion's cap is max_logprobs + 1
     with pytest.raises(ValidationError, match="prompt_token_ids must be non-empty"):
         engine.add(req("empty", []))
     engine.add(req("dup", [1, 5], max_tokens=1))

@@ -163,7 +163,7 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
     async with running_stack(kafka_settings, tiny_model_dir) as (base, gateway):
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
             r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time",
-                                                         "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
+                                                         "max_tokens": 5, "ignore_eos": True, "logprobs": 20})
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 5

@@ -326,7 +326,7 @@ async def test_chunks_the_broker_refuses_for_good_end_their_requests_with_an_err
 async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(kafka_settings, make_topics, engine):
     await make_topics(kafka_settings, partitions=1)
     bad_rule = GenerateRequest(request_id="bad-logprobs", prompt_token_ids=[1, 2],
-                               sampling=SamplingParams(logprobs=21))
+                               sampling=SamplingParams(logprobs=22))  # a completion may ask 20 + 1
     bad_vocab = GenerateRequest(request_id="bad-vocab", prompt_token_ids=[1, 10**6])
     good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3, temperature=0))
     mistyped = b'{"request_id": "bad-type", "prompt_token_ids": "1 2 3"}'
@@ -344,7 +344,7 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
     chunks = chunks_by_request(records)
-    for request_id, message in [("bad-logprobs", "sampling.logprobs must be -1 or 0..20, got 21"),
+    for request_id, message in [("bad-logprobs", "sampling.logprobs must be -1 or 0..21, got 22"),
                                 ("bad-vocab", "prompt_token_ids[1] = 1000000 is out of range"),
                                 ("bad-type", "prompt_token_ids: expected array, got str")]:
         (chunk,) = chunks[request_id]

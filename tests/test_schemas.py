@@ -225,9 +225,12 @@ def test_undecodable_or_mistyped_requests_raise_one_clear_error(data, content_ty
 @pytest.mark.parametrize("overrides,field,message", [
     (dict(prompt_token_ids=[]), "prompt_token_ids", "prompt_token_ids must be non-empty"),
     (dict(prompt_token_ids=[1, -4]), "prompt_token_ids[1]", "prompt_token_ids[1] must be a non-negative token id, got -4"),
-    (dict(sampling={"logprobs": 21}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..20, got 21"),
-    (dict(sampling={"logprobs": -2}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..20, got -2"),
-    (dict(sampling={"prompt_logprobs": 25}), "sampling.prompt_logprobs", "must be -1 or 0..20, got 25"),
+    # a completion (the default kind) may ask for max_logprobs + 1 candidates (its k + 1)
+    (dict(sampling={"logprobs": 22}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..21, got 22"),
+    (dict(sampling={"logprobs": 21}, output={"kind": "chat"}), "sampling.logprobs",
+     "sampling.logprobs must be -1 or 0..20, got 21"),
+    (dict(sampling={"logprobs": -2}), "sampling.logprobs", "sampling.logprobs must be -1 or 0..21, got -2"),
+    (dict(sampling={"prompt_logprobs": 25}), "sampling.prompt_logprobs", "must be -1 or 0..21, got 25"),
     (dict(sampling={"max_tokens": -1}), "sampling.max_tokens", "must be >= 0 (0: the prompt only, with echo / prompt_logprobs), got -1"),
     (dict(sampling={"max_tokens": 4, "min_tokens": 5}), "sampling.min_tokens", "must not exceed max_tokens"),
     (dict(sampling={"temperature": -1}), "sampling.temperature", "must be >= 0"),
@@ -260,6 +263,34 @@ def test_deployment_limits_vocab_context_and_max_logprobs():
     validate_request(whole_vocab, vocab_size=2000, max_logprobs=-1)  # no cap
     validate_request(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(logprobs=50)),
                      max_logprobs=64)
+
+
+def test_max_logprobs_caps_the_clients_k_and_a_completions_k_asks_one_more():
+    """vLLM's max_logprobs caps what the client asks for; a completion's logprobs=k asks
+    generate for k+1 candidates (the sampled token besides the top k), so k = max_logprobs
+    must pass, and a refusal names the k the client gave."""
+    from workers.requests import make_request
+    for kind, opts in (("completion", lambda k: dict(logprobs=k)),
+                       ("chat", lambda k: dict(logprobs=True, top_logprobs=k))):
+        validate_request(make_request([1, 2], kind=kind, **opts(20)), vocab_size=2000)
+        with pytest.raises(ValidationError) as info:
+            validate_request(make_request([1, 2], kind=kind, **opts(21)), vocab_size=2000)
+        assert info.value.field == "sampling.logprobs"
+    # echo's prompt candidates are the output's (k+1) too
+    validate_request(make_request([1, 2], logprobs=20, echo=True, max_tokens=0), vocab_size=2000)
+    with pytest.raises(ValidationError, match=r"got 22 \(a completion's logprobs=k asks generate for k\+1 "
+                                              r"candidates, so k may be 0\.\.20\)"):
+        validate_request(make_request([1, 2], logprobs=21), vocab_size=2000)
+    with pytest.raises(ValidationError, match=r"^sampling.logprobs must be -1 or 0\.\.20, got 21$"):
+        validate_request(make_request([1, 2], kind="chat", logprobs=True, top_logprobs=21), vocab_size=2000)
+    # a token-in client writing sampling.logprobs itself: the cap follows output.kind
+    raw = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(logprobs=21))
+    validate_request(raw)  # kind defaults to completion
+    with pytest.raises(ValidationError, match="0..20, got 21"):
+        validate_request(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(logprobs=21),
+                                         output=OutputOptions(kind="chat")))
+    validate_request(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(logprobs=99)),
+                     max_logprobs=-1)  # no cap stays no cap
 
 
 def test_content_type_header_picks_the_codec_and_unknown_ones_are_refused():

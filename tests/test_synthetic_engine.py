@@ -74,7 +74,7 @@ def test_logprobs_have_the_wire_shape_and_requests_are_validated():
     assert all(len(r.top_logprobs) == 4 and r.top_logprobs[0].token_id == r.token_id for r in rows)
     assert outs[0].prompt_logprobs[0] is None and len(outs[0].prompt_logprobs) == 3
     with pytest.raises(ValidationError):
-        engine.add(req("big", logprobs=6))
+        engine.add(req("big", logprobs=7))  # a completion's cap is max_logprobs + 1
     with pytest.raises(ValidationError):
         engine.add(GenerateRequest(request_id="v", prompt_token_ids=[1, 2000]))
 

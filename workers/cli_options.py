@@ -45,8 +45,9 @@ def add_max_logprobs(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--max-logprobs", type=at_least(-1),
                         default=os.environ.get("GENPIPE_MAX_LOGPROBS", str(DEFAULT_MAX_LOGPROBS)),
-                        help="largest logprobs/top_logprobs a request may ask for, and the most top "
-                             "entries a chunk may carry per position; -1 = no cap (env "
+                        help="largest logprobs/top_logprobs a client may ask for (a completion's "
+                             "logprobs=k asks generate for k+1 candidates, so its chunks may carry "
+                             "one more entry per position than a chat's); -1 = no cap (env "
                              "GENPIPE_MAX_LOGPROBS; default %(default)s). The same value for both "
                              "workers, replay and file mode.")
 

@@ -812,7 +812,7 @@ def main() -> None:
                 load = argparse.Namespace(**{**vars(args), "kind": kind, "text": text, "prompts": prompts})
                 try:
                     offered, load.step_s = engine_alone(load, k)
-                except ValidationError as exc:  # completions' logprobs=20 asks for 21 candidates, over max_logprobs
+                except ValidationError as exc:  # a k over the engine's max_logprobs
                     print(f"{'':<9} {kind:<10} {text:<9} {k:>3} not measured: the engine refuses it ({exc})")
                     continue
                 print(f"    engine alone: {offered:,.0f} tok/s, {load.step_s * 1000:.2f} ms per step")
@@ -823,7 +823,7 @@ def main() -> None:
                     for code, checkout in sides:
                         rows[code] = measure(load, k, log_dir, checkout)
                         print_row(code, k, load, rows[code], offered)
-                except LoadFailed as exc:  # e.g. completions' logprobs=20 (21 candidates) over --max-logprobs
+                except LoadFailed as exc:  # e.g. a k over the workers' --max-logprobs
                     print(f"{'':<9} {kind:<10} {text:<9} {k:>3} not measured: {exc}")
                     continue
                 if reference is not None:

@@ -7,11 +7,15 @@ rule ends its request with an error result instead of crashing the derender.
 from __future__ import annotations
 
 from schemas.records import GenerateChunk
+from schemas.validation import candidate_cap
 
 
 def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
-                checked_later: int = 0) -> str | None:
+                checked_later: int = 0, kind: str = "chat") -> str | None:
     """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
+
+    `max_logprobs` is the deployment's cap on what a client asks for; a position may hold
+    `candidate_cap(kind, max_logprobs)` entries (a completion's k needs k+1).
 
     `checked_later`: the first n candidates of each position are range-checked by the
     chat shaping, which looks them up anyway; only the rest are checked here.
@@ -36,14 +40,17 @@ def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, genera
     if lp is None or lp.content is None:
         return None
     content = lp.content
+    cap = candidate_cap(kind, max_logprobs)
     if len(content) != len(ids):
         return f"logprobs.content has {len(content)} entries for {len(ids)} token ids"
     for i, pos in enumerate(content):
         if pos.token_id != ids[i]:
             return f"logprobs.content[{i}].token_id {pos.token_id} is not the sampled id {ids[i]}"
         tops = pos.top_logprobs
-        if len(tops) > max_logprobs:
-            return f"position {i} has {len(tops)} top entries, more than max_logprobs={max_logprobs}"
+        if len(tops) > cap:
+            allows = f"{cap}, max_logprobs={max_logprobs} + the sampled token" if cap != max_logprobs \
+                else f"max_logprobs={max_logprobs}"
+            return f"position {i} has {len(tops)} top entries, more than a {kind} may hold ({allows})"
         if len(tops) > checked_later:
             for e in tops[checked_later:] if checked_later else tops:
                 if e.token_id >= vocab_size or e.token_id < 0:

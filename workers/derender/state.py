@@ -210,7 +210,7 @@ class Derenderer:
             return self._fail(rid, req, chunk, f"seq gap in attempt {chunk.attempt!r}: "
                               f"got seq {chunk.seq}, expected {req.next_seq}")
         problem = check_chunk(chunk, self.tables.size, self.max_logprobs, req.generated,
-                              req.k if req.chat else 0)
+                              req.k if req.chat else 0, "chat" if req.chat else "completion")
         if problem is not None:
             return self._fail(rid, req, chunk, problem)
         req.next_seq = chunk.seq + 1
