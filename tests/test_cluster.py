@@ -44,7 +44,7 @@ def test_the_throughput_bench_counts_every_broker_of_a_local_cluster(cluster):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops" / "bench"))
-    from throughput import broker_pids
+    from proc_cpu import broker_pids  # (ops/bench/throughput.py's)
 
     pids = sorted(node.pid() for node in cluster.nodes)
     assert len(set(pids)) == 3 and None not in pids
