@@ -57,7 +57,8 @@ def build_messages(tables, shape: str, text: str, k: int, requests: int, tokens:
     from schemas.records import OutputOptions
 
     if text == "synthetic":  # the synthetic engine's ids and rows (ops/bench/throughput.py's load)
-        chunks = synthetic_chunks(tables.size, k, requests, tokens, chunk_tokens)
+        chunks = synthetic_chunks(tables.size, k + (shape == "completion") if k else 0, requests, tokens,
+                                  chunk_tokens)
     else:
         chunks = make_chunks(tables, text, k + (shape == "completion"), requests, tokens, chunk_tokens)
     out, partitions, offsets = [], {}, [0] * 8
@@ -70,12 +71,14 @@ def build_messages(tables, shape: str, text: str, k: int, requests: int, tokens:
     return out, sum(len(c.token_ids) for c in chunks)
 
 
-def synthetic_chunks(vocab: int, k: int, requests: int, tokens: int, chunk_tokens: int):
+def synthetic_chunks(vocab: int, candidates: int, requests: int, tokens: int, chunk_tokens: int):
+    """The synthetic engine's chunks with `candidates` entries a position (generate's count:
+    k for chat, k + 1 for a completion; 0: no logprobs). Chat's used to carry k + 1 too."""
     from schemas.records import GenerateChunk, GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent
     from workers.generate.synthetic import synthetic_token
 
     per_request = []
-    n = k + 1 if k else 0
+    n = candidates
     for r in range(requests):
         rid = f"syn-{r}"
         ids = [synthetic_token(rid, i, vocab) for i in range(tokens)]
