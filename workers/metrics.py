@@ -40,9 +40,11 @@ CHUNK_STRETCH = Gauge("genpipe_chunk_stretch", "How many times rarer and bigger 
 CHUNK_HOLD = Histogram("genpipe_chunk_hold_seconds", "How long the oldest token of a chunk waited to be "
                        "coalesced (from its step reaching the engine's token holder to the chunk being "
                        "taken in the generate worker)", ["worker"],
-                       # finer where the policy acts: its delay cap (20 ms) up to 4x that, stretched
-                       buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08,
-                                0.1, 0.15, 0.2, 0.5, 1, 5))
+                       # finer where the policy acts: a step or two (the latency setting's cap,
+                       # --coalesce-max-delay-ms 4 at 2 ms steps), and the default cap (20 ms) up
+                       # to 4x that, stretched
+                       buckets=(0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025,
+                                0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.5, 1, 5))
 CONSUMER_LAG = Gauge("genpipe_consumer_lag_records", "Records behind the end of the input topic", ["worker"])
 TTFT = Histogram("genpipe_time_to_first_token_seconds", "Request read to first token sampled", ["worker"],
                  buckets=_LATENCY_BUCKETS)
