@@ -151,6 +151,7 @@ def serve(args) -> None:
 
 def profile(args) -> None:
     import cProfile
+    import gc
     import pstats
 
     from workers.derender.vocab import VocabTables
@@ -160,6 +161,7 @@ def profile(args) -> None:
     shape, text, k = (args.workload or "chat:cjk:5").split(":")
     messages, _ = build_messages(tables, shape, text, int(k), args.requests, args.tokens, args.chunk_tokens)
     asyncio.run(run_side(messages, tables))
+    gc.freeze()  # as `serve`: else collections of this process's own records show up in random lines
     prof = cProfile.Profile()
     prof.enable()
     asyncio.run(run_side(messages, tables))
