@@ -9,13 +9,21 @@ import time
 import uuid
 
 import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import NewTopic
 
+from schemas import Cancel
+from tests.cluster_helpers import (Pipeline, assert_uninterrupted, controller_id, create_placed_topics, on_partition,
+                                   partition_leaders, requests_for, stream, wait_for_leaders)
+from tests.kafka_helpers import read_topic, wait_for
 from tests.process_helpers import uninterrupted_texts
 from workers.broker.cluster import cluster_down, cluster_up, node_down, node_up
 from workers.broker.topics import create_topics
-from workers.client import GenpipeClient, Restart, make_request
-from workers.kafka.clients import make_admin
-from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
+from workers.client import GenpipeClient
+from workers.kafka.clients import make_admin, make_producer
+from workers.kafka.publisher import Publisher
+from workers.kafka.records import Outgoing, decode_message
+from workers.kafka.settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 PORT = int(os.environ.get("GENPIPE_TEST_CLUSTER_PORT", "19800"))  # PORT..PORT+5
@@ -52,98 +60,29 @@ def test_the_throughput_bench_counts_every_broker_of_a_local_cluster(cluster):
     assert broker_pids(last_only) == pids
 
 
-async def _leaders(settings, topic: str) -> dict[int, int]:
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        described = await admin.describe_topics([topic])
-        return {p["partition"]: p["leader"] for p in described[0]["partitions"]}
-    finally:
-        await admin.close()
-
-
-async def _controller(settings) -> int:
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        return (await admin.describe_cluster())["controller_id"]
-    finally:
-        await admin.close()
-
-
-async def _stream(client, request, gaps: list[float]) -> tuple[str, int]:
-    """The last attempt's text and the restarts seen; the longest wait between results."""
-    text, restarts, last = [], 0, time.monotonic()
-    async for item in client.stream(request):
-        now = time.monotonic()
-        gaps.append(now - last)
-        last = now
-        if isinstance(item, Restart):
-            restarts, text = restarts + 1, []
-        else:
-            text.append(item.choices[0].text)
-    return "".join(text), restarts
-
-
-class Pipeline:
-    """A generate and a derender worker (in this process) on the cluster."""
-
-    def __init__(self, settings, model_dir):
-        from workers.derender.service import DerenderWorkerConfig, run_derender_worker
-        from workers.generate.engine import Engine
-        from workers.generate.service import GenerateWorkerConfig, run_generate_worker
-
-        prefix = settings.topic_prefix
-        self.stop = asyncio.Event()
-        self.ready = [asyncio.Event(), asyncio.Event()]
-        # Paced like a real model (20 tokens/s a request), so streams outlive a failover.
-        self.tasks = [
-            asyncio.ensure_future(run_generate_worker(
-                settings, GenerateWorkerConfig(group_id=f"{prefix}-generate", max_batch=8, min_step_s=0.05),
-                engine=Engine(str(model_dir), max_batch=8), stop=self.stop, on_ready=self.ready[0].set)),
-            asyncio.ensure_future(run_derender_worker(
-                settings, DerenderWorkerConfig(tokenizer=str(model_dir), group_id=f"{prefix}-derender"),
-                stop=self.stop, on_ready=self.ready[1].set))]
-
-    async def started(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.ready)), 120)
-
-    def alive(self) -> bool:
-        return not any(t.done() for t in self.tasks)
-
-    async def close(self) -> list:
-        self.stop.set()
-        return await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 120)
-
-
-def _requests(tag: str, n: int, max_tokens: int):
-    return [make_request([1, 100 + 7 * i, 200 + i], kind="completion", request_id=f"{tag}-{i}", max_tokens=max_tokens,
-                         temperature=0, ignore_eos=True, stream=True) for i in range(n)]
-
-
 async def test_killing_partition_leaders_and_the_controller_loses_no_request(cluster, tiny_model_dir):
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     await create_topics(settings, partitions=2)
     pipeline = Pipeline(settings, tiny_model_dir)
-    requests = _requests("kill", 8, 300)  # ~15 s each at 20 tokens/s: both kills land mid-stream
+    requests = requests_for("kill", 8, 300)  # ~15 s each at 20 tokens/s: both kills land mid-stream
     gaps: list[float] = []
     killed = []
     try:
         await pipeline.started()
         async with GenpipeClient(settings=settings, timeout_s=180) as client:
-            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
-            await _wait(lambda: len(gaps) >= 8, 60, "first results")
+            tasks = [asyncio.ensure_future(stream(client, r, gaps)) for r in requests]
+            await wait_for(lambda: len(gaps) >= 8, 60, "first results")
             # kill -9 the leader of the chunk partition 0 (it leads some result partitions too)
-            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            victim = (await partition_leaders(settings, settings.topic("chunks")))[0]
             await asyncio.to_thread(node_down, cluster, victim, kill=True)
             killed.append(victim)
             # Results keep coming after the kill (how many depends on how tokens were
             # chunked, which a lagging producer changes: count progress, not chunks).
             seen = len(gaps)
-            await _wait(lambda: len(gaps) >= seen + 16, 120, "streams going on after the kill")
+            await wait_for(lambda: len(gaps) >= seen + 16, 120, "streams going on after the kill")
             await asyncio.to_thread(node_up, cluster, victim)
             # then the active controller
-            controller = await _controller(settings)
+            controller = await controller_id(settings)
             await asyncio.to_thread(node_down, cluster, controller, kill=True)
             killed.append(controller)
             done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
@@ -152,7 +91,7 @@ async def test_killing_partition_leaders_and_the_controller_loses_no_request(clu
     finally:
         results = await pipeline.close()
     assert results == [0, 0]
-    _assert_uninterrupted(tiny_model_dir, requests, done)
+    assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster kill test: {len(requests)} requests, 0 lost, brokers killed {killed}; "
           f"worst pause between two results of a request {max(gaps):.2f} s; "
           f"restarts seen {sum(r for _, r in done)}")
@@ -170,9 +109,9 @@ async def test_a_rolling_restart_of_every_broker_under_load_loses_no_request(clu
             async def load() -> None:  # a request every 0.5 s, each ~1 s long, until told to stop
                 i = 0
                 while not rolling_done.is_set():
-                    request = _requests(f"roll{i}", 1, 20)[0]
+                    request = requests_for(f"roll{i}", 1, 20)[0]
                     sent.append(request)
-                    done.append(asyncio.ensure_future(_stream(client, request, gaps)))
+                    done.append(asyncio.ensure_future(stream(client, request, gaps)))
                     i += 1
                     try:
                         await asyncio.wait_for(rolling_done.wait(), 0.5)
@@ -205,24 +144,24 @@ async def test_a_partition_without_a_leader_past_the_request_timeout_loses_no_re
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     await create_topics(settings, partitions=2, replication_factor=1)
     pipeline = Pipeline(settings, tiny_model_dir)
-    requests = _requests("leaderless", 8, 400)  # ~20 s each at 20 tokens/s: the outage lands mid-stream
+    requests = requests_for("leaderless", 8, 400)  # ~20 s each at 20 tokens/s: the outage lands mid-stream
     gaps: list[float] = []
     try:
         await pipeline.started()
         async with GenpipeClient(settings=settings, timeout_s=120) as client:
-            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
-            await _wait(lambda: len(gaps) >= 8, 60, "first results")
-            victim = (await _leaders(settings, settings.topic("chunks")))[0]
+            tasks = [asyncio.ensure_future(stream(client, r, gaps)) for r in requests]
+            await wait_for(lambda: len(gaps) >= 8, 60, "first results")
+            victim = (await partition_leaders(settings, settings.topic("chunks")))[0]
             await asyncio.to_thread(node_down, cluster, victim, kill=True)
             away_until = time.monotonic() + AWAY_S
-            await _wait(lambda: time.monotonic() > away_until or not pipeline.alive(), AWAY_S + 5, "the outage")
+            await wait_for(lambda: time.monotonic() > away_until or not pipeline.alive(), AWAY_S + 5, "the outage")
             await asyncio.to_thread(node_up, cluster, victim)
             done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
         assert pipeline.alive(), "a worker stopped"
     finally:
         results = await pipeline.close()
     assert results == [0, 0]
-    _assert_uninterrupted(tiny_model_dir, requests, done)
+    assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster leaderless partition: {len(requests)} requests, 0 lost, broker {victim} away {AWAY_S} s; "
           f"restarts seen {sum(r for _, r in done)}")
 
@@ -236,20 +175,20 @@ async def test_a_partition_without_a_leader_holds_only_its_own_requests(cluster,
     wait in a lane of their own (workers/kafka/lanes.py) and partition 1 goes on."""
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     victim = 3
-    await _create_placed_topics(settings, victim)
+    await create_placed_topics(settings, victim)
     pipeline = Pipeline(settings, tiny_model_dir)
-    held, free = _on_partition("held", 0, 300), _on_partition("free", 1, 20)  # ~15 s and ~1 s at 20 tokens/s
+    held, free = on_partition("held", 0, 300), on_partition("free", 1, 20)  # ~15 s and ~1 s at 20 tokens/s
     gaps: list[float] = []
     down = False
     try:
         await pipeline.started()
         async with GenpipeClient(settings=settings, timeout_s=180) as client:
-            held_task = asyncio.ensure_future(_stream(client, held, gaps))
-            await _wait(lambda: len(gaps) >= 3, 60, "the first results of the request on partition 0")
+            held_task = asyncio.ensure_future(stream(client, held, gaps))
+            await wait_for(lambda: len(gaps) >= 3, 60, "the first results of the request on partition 0")
             await asyncio.to_thread(node_down, cluster, victim, kill=True)
             down, down_at = True, time.monotonic()
             try:
-                free_done = await asyncio.wait_for(_stream(client, free, []), FREE_WITHIN_S)
+                free_done = await asyncio.wait_for(stream(client, free, []), FREE_WITHIN_S)
             except asyncio.TimeoutError:
                 raise AssertionError(f"the request on partition 1 did not finish within {FREE_WITHIN_S} s of "
                                      f"chunks[0]'s broker going away: it waited for that partition") from None
@@ -263,42 +202,12 @@ async def test_a_partition_without_a_leader_holds_only_its_own_requests(cluster,
             await asyncio.to_thread(node_up, cluster, victim)
         results = await pipeline.close()
     assert results == [0, 0]
-    _assert_uninterrupted(tiny_model_dir, [held, free], [held_done, free_done])
+    assert_uninterrupted(tiny_model_dir, [held, free], [held_done, free_done])
     print(f"\ncluster leaderless chunks[0]: the request on partition 1 finished {took:.1f} s after its broker "
           f"went away; the one on partition 0 after it came back")
 
 
 FREE_WITHIN_S = 20  # a 20-token request takes ~1 s; a lane opens after 1 s of a stuck partition
-
-
-async def _create_placed_topics(settings, victim: int) -> None:
-    """genpipe's topics, 2 partitions, 1 replica each: chunks[0] on broker `victim`, every
-    other partition on the other brokers (1-3)."""
-    from aiokafka.admin import NewTopic
-
-    others = [b for b in (1, 2, 3) if b != victim]
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(
-            settings.topic(role), -1, -1,
-            replica_assignments={0: [victim if role == "chunks" else others[0]], 1: [others[1]]},
-            topic_configs={"min.insync.replicas": "1"}) for role in TOPIC_ROLES])
-    finally:
-        await admin.close()
-    await create_topics(settings, partitions=2, replication_factor=1)  # (they exist: waits for their leaders)
-    leaders = await _leaders(settings, settings.topic("chunks"))
-    assert leaders == {0: victim, 1: others[1]}, leaders
-
-
-def _on_partition(tag: str, partition: int, max_tokens: int):
-    """A request whose id the client's producer sends to `partition` of 2 (murmur2, as
-    aiokafka's default partitioner): it stays on that partition number end to end."""
-    from aiokafka.partitioner import murmur2
-
-    i = next(i for i in range(1000) if (murmur2(f"{tag}-{i}".encode()) & 0x7FFFFFFF) % 2 == partition)
-    return make_request([1, 100 + 7 * i, 200 + i], kind="completion", request_id=f"{tag}-{i}", max_tokens=max_tokens,
-                        temperature=0, ignore_eos=True, stream=True)
 
 
 AWAY_S = 45  # past the producers' request timeout (30 s: workers/kafka/clients.py)
@@ -324,16 +233,16 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     await create_topics(settings, partitions=2, replication_factor=1)
     pipeline = Pipeline(settings, tiny_model_dir)
-    requests = _requests(f"joins-{worker}", 8, 400)
+    requests = requests_for(f"joins-{worker}", 8, 400)
     gaps: list[float] = []
     joined, stop_second = asyncio.Event(), asyncio.Event()
     second = None
     try:
         await pipeline.started()
         async with GenpipeClient(settings=settings, timeout_s=180) as client:
-            tasks = [asyncio.ensure_future(_stream(client, r, gaps)) for r in requests]
-            await _wait(lambda: len(gaps) >= 8, 60, "first results")
-            victim = (await _leaders(settings, settings.topic(topic)))[0]
+            tasks = [asyncio.ensure_future(stream(client, r, gaps)) for r in requests]
+            await wait_for(lambda: len(gaps) >= 8, 60, "first results")
+            victim = (await partition_leaders(settings, settings.topic(topic)))[0]
             await asyncio.to_thread(node_down, cluster, victim, kill=True)
             back_at = time.monotonic() + REBALANCE_AWAY_S
             if worker == "generate":
@@ -346,10 +255,10 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
                     settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir),
                                                    group_id=f"{settings.topic_prefix}-derender"),
                     stop=stop_second, on_ready=joined.set))
-            await _wait(lambda: joined.is_set() or time.monotonic() > back_at or second.done(), REBALANCE_AWAY_S + 5,
+            await wait_for(lambda: joined.is_set() or time.monotonic() > back_at or second.done(), REBALANCE_AWAY_S + 5,
                         "the second worker or the broker")
             joined_before_the_broker = joined.is_set() and time.monotonic() < back_at
-            await _wait(lambda: time.monotonic() > back_at, REBALANCE_AWAY_S + 5, "the outage")
+            await wait_for(lambda: time.monotonic() > back_at, REBALANCE_AWAY_S + 5, "the outage")
             await asyncio.to_thread(node_up, cluster, victim)
             done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
         assert pipeline.alive() and not second.done(), "a worker stopped"
@@ -360,7 +269,7 @@ async def test_a_worker_joins_while_a_partition_has_no_leader_and_the_group_does
             results.append(await asyncio.wait_for(second, 120))
     assert joined_before_the_broker, "the group's rebalance waited for the broker that was away"
     assert results == [0, 0, 0]
-    _assert_uninterrupted(tiny_model_dir, requests, done)
+    assert_uninterrupted(tiny_model_dir, requests, done)
     print(f"\ncluster rebalance without a leader ({worker}): {len(requests)} requests, 0 lost; "
           f"restarts seen {sum(r for _, r in done)}")
 
@@ -375,7 +284,7 @@ async def test_a_client_started_while_a_partition_of_its_reply_topic_has_no_lead
 
     settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
     await create_topics(settings, partitions=2, replication_factor=1)
-    victim = (await _leaders(settings, settings.topic("results")))[0]
+    victim = (await partition_leaders(settings, settings.topic("results")))[0]
     await asyncio.to_thread(node_down, cluster, victim, kill=True)
     try:
         with pytest.raises(GenpipeUnavailable) as raised:
@@ -388,16 +297,73 @@ async def test_a_client_started_while_a_partition_of_its_reply_topic_has_no_lead
     assert "does every partition of it have a leader?" in message
 
 
-def _assert_uninterrupted(model_dir, requests, done: list[tuple[str, int]]) -> None:
-    """Each request's last attempt reads as the same request run without any failure."""
-    expected = uninterrupted_texts(model_dir, requests)
-    for request, (text, _) in zip(requests, done):
-        assert text == expected[request.request_id], request.request_id
+async def test_a_publish_step_hands_over_partitions_with_room_first_and_waits_for_the_others_together(
+        cluster, monkeypatch):
+    """Three partitions on a broker that dies (one replica each), a fourth elsewhere, all
+    in one publish step whose batches fill the dead partitions' queues. The step waited
+    STUCK_AFTER_S (1 s) for each dead partition in turn, in partition order, before the
+    next: every partition's tokens, and the engine behind them, stalled 1 s for each
+    partition the broker led. Now the live partition's batch is handed over at once and
+    the dead ones wait together, once, then go to their lanes (workers/kafka/lanes.py).
+    Nothing is lost or reordered once the broker is back."""
+    stuck_after = 4.0  # (1 s by default: longer here, so that the step's waits are told apart)
+    monkeypatch.setattr("workers.kafka.publisher.STUCK_AFTER_S", stuck_after)
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    topic, victim, live = settings.topic("chunks"), 3, 3  # partition 3 on broker 1
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, -1, -1, replica_assignments={0: [victim], 1: [victim], 2: [victim],
+                                                                                 3: [1]})])
+    finally:
+        await admin.close()
+    await wait_for_leaders(lambda leaders: all(leaders.get(p, -1) >= 0 for p in range(4)), settings, topic,
+                           "the topic's leaders")
+    producer = make_producer(settings)
+    await producer.start()
+    down = False
+    try:
+        publisher = Publisher(producer, settings.topic("dlq"))
+        assert await publisher.partition_count(topic) == 4
+        await asyncio.to_thread(node_down, cluster, victim, kill=True)
+        down = True
+        # Until the cluster fences the broker (3 s), its partitions still name it leader.
+        await wait_for_leaders(lambda leaders: all(leaders[p] < 0 for p in range(3)), settings, topic,
+                               "the dead broker's partitions to lose their leader")
+        await producer.client.force_metadata_update()
+        assert all(producer.client.cluster.leader_for_partition(TopicPartition(topic, p)) in (None, -1)
+                   for p in range(3))
+
+        # Per dead partition: two ~100 KB records fill a batch (256 KB), the third starts one
+        # that finds the partition's queue full.
+        records = [Outgoing(topic, f"p{p}", Cancel(request_id=f"p{p}-{i}", reason="x" * 100_000), partition=p)
+                   for p in range(3) for i in range(3)]
+        records.append(Outgoing(topic, "live", Cancel(request_id="live-0"), partition=live))
+        started = time.monotonic()
+        step = asyncio.ensure_future(publisher.publish_batch(records))
+        await wait_for(lambda: publisher.published >= 1 or step.done(), 60, "the live partition's record or the step")
+        assert not step.done(), "the live partition's record was handed over only after the dead ones were waited for"
+        try:
+            futures = await asyncio.wait_for(step, 2 * stuck_after)
+        except asyncio.TimeoutError:
+            raise AssertionError("the step waited for its dead partitions one after another") from None
+        took = time.monotonic() - started
+        assert all(TopicPartition(topic, p) in publisher.lanes for p in range(3))
+        assert futures[-1].done() and futures[-1].exception() is None
+
+        await asyncio.to_thread(node_up, cluster, victim)
+        down = False
+        await asyncio.wait_for(asyncio.gather(*futures), 120)
+    finally:
+        if down:
+            await asyncio.to_thread(node_up, cluster, victim)
+        await producer.stop()
+    read = await read_topic(settings, topic, until=lambda r: len(r) >= len(records))
+    by_partition: dict[int, list[str]] = {}
+    for record in read:
+        by_partition.setdefault(record.partition, []).append(decode_message(record, Cancel).request_id)
+    assert by_partition == {**{p: [f"p{p}-{i}" for i in range(3)] for p in range(3)}, live: ["live-0"]}
+    print(f"\ncluster publish step with 3 partitions away: {took:.1f} s (STUCK_AFTER_S {stuck_after:.0f} s); "
+          f"the live partition's record acknowledged before it ended")
 
 
-async def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)

@@ -165,6 +165,7 @@ class Publisher:
                 group.append(i)
             else:
                 futures[i] = await self.publish(record)
+        full: dict[TopicPartition, list[tuple]] = {}  # partitions whose queue the sender has not emptied
         for (topic, partition), indexes in groups.items():
             tp = TopicPartition(topic, partition)
             # (A lane opens only once the queued batch is full, so none can be joined then;
@@ -176,22 +177,46 @@ class Publisher:
                 record = records[i]
                 appended = _append(batch, record)
                 if appended is None:  # full: send it and start the next one
-                    await self._send_batch(batch, topic, partition, members, futures)
+                    await self._send_batch(tp, batch, members, futures, full)
                     batch, members = self.producer.create_batch(), []
                     _append(batch, record)
                 members.append(i)
-            await self._send_batch(batch, topic, partition, members, futures)
+            await self._send_batch(tp, batch, members, futures, full)
+        if full:
+            await asyncio.gather(*(self._send_when_room(tp, batches, futures) for tp, batches in full.items()))
         return futures
 
-    async def _send_batch(self, batch, topic: str, partition: int, members: list[int], futures: list) -> None:
+    async def _send_batch(self, tp: TopicPartition, batch, members: list[int], futures: list,
+                          full: dict[TopicPartition, list[tuple]]) -> None:
+        """Hand `batch` over now when its partition has room (or a lane, which keeps the
+        order); else keep it in `full`, behind the partition's earlier ones, to wait with
+        the step's other partitions that have none (`_send_when_room`)."""
         if not members:
             return
-        tp = TopicPartition(topic, partition)
-        if tp in self.lanes or not await self._room_for(tp):
+        if tp in full or (tp not in self.lanes and self._queued is not None and self._queued.get(tp)):
+            full.setdefault(tp, []).append((batch, members))
+        else:
+            await self._hand_over(tp, batch, members, futures)
+
+    async def _send_when_room(self, tp: TopicPartition, batches: list[tuple], futures: list) -> None:
+        """A partition's batches that found its queue full, in order: each waits for room
+        up to STUCK_AFTER_S (aiokafka alone waits its request timeout: lanes.py), then goes
+        to the producer, or past that to a lane, as does every one after it. A step's
+        partitions wait at the same time, after the ones with room were handed over: a
+        step waited for each such partition in turn, and every later partition's tokens
+        with it (a broker away that led four of a step's partitions held all of them 4 s)."""
+        for batch, members in batches:
+            room = tp not in self.lanes and await self._room_for(tp)
+            await self._hand_over(tp, batch, members, futures, to_lane=not room)
+
+    async def _hand_over(self, tp: TopicPartition, batch, members: list[int], futures: list,
+                         to_lane: bool = False) -> None:
+        if to_lane or tp in self.lanes:
             batch.close()
             future = await self.lanes.add(tp, batch, batch.size())
         else:
-            future = await self._enqueue(topic, partition, lambda: self.producer.send_batch(batch, topic, partition=partition))
+            future = await self._enqueue(tp.topic, tp.partition,
+                                         lambda: self.producer.send_batch(batch, tp.topic, partition=tp.partition))
             queued = self._queued.get(tp) if self._queued is not None else None
             if queued and getattr(queued[-1], "_builder", None) is batch:  # (left open: aiokafka allows it)
                 self._open[tp] = (queued[-1], future)
