@@ -225,13 +225,19 @@ def text_prompts(text: str, count: int, tokens: int) -> list[list[int]]:
     return [workload_ids(tables, text, rng, tokens) for _ in range(count)]
 
 
-def make_requests(args, k: int, count: int) -> list:
+def make_requests(args, k: int, count: int, reply_topic: str | None = None) -> list:
     from workers.client import make_request
 
     logprobs = {} if not k else ({"logprobs": True, "top_logprobs": k} if args.kind == "chat" else {"logprobs": k})
     return [make_request(args.prompts[i % len(args.prompts)] if args.prompts else [1, 5, 6, 7], kind=args.kind,
-                         max_tokens=args.max_tokens, ignore_eos=True, stream=not args.no_stream, **logprobs)
+                         max_tokens=args.max_tokens, ignore_eos=True, stream=not args.no_stream,
+                         reply_topic=reply_topic, **logprobs)
             for i in range(count)]
+
+
+def reply_topic(settings: KafkaSettings, args) -> str | None:
+    """--reply-topic: the run's own reply topic (as a gateway's), else None (the results topic)."""
+    return f"{settings.topic_prefix}.reply.bench" if args.reply_topic else None
 
 
 async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_port: int = 0,
@@ -247,10 +253,11 @@ async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_
 
     results = make_consumer(settings, group_id=None, auto_offset_reset="latest")
     await results.start()
-    await assign_all(results, settings.topic("results"), None)
+    reply = reply_topic(settings, args)
+    await assign_all(results, reply or settings.topic("results"), None)
     producer = make_producer(settings)
     await producer.start()
-    requests = make_requests(args, k, args.requests)
+    requests = make_requests(args, k, args.requests, reply)
     wanted = {r.request_id for r in requests}
     out = {"tokens": args.requests * args.max_tokens}
     # Results are read while the requests are still being sent: read after the sending,
@@ -290,15 +297,20 @@ async def run_load(settings: KafkaSettings, args, k: int, between=None, metrics_
     return out
 
 
-async def timed_topics(settings: KafkaSettings) -> None:
-    """A run's topics, 8 partitions each, the chunks topic with the broker's append time."""
+async def timed_topics(settings: KafkaSettings, reply: str | None = None) -> None:
+    """A run's topics, 8 partitions each, the chunks topic with the broker's append time;
+    `reply`, a reply topic like them."""
     from workers.broker.topics import create_topics
 
     await create_topics(settings, partitions=8)
     await log_append_time(settings, ("chunks",))
+    if reply:
+        from tests.kafka_helpers import create_topic
+
+        await create_topic(settings, reply, partitions=8)
 
 
-async def drop_topics(*every: KafkaSettings) -> None:
+async def drop_topics(*every: KafkaSettings, also: tuple[str, ...] = ()) -> None:
     """Delete a run's topics: a broker holding every earlier run's (~100 partitions a run)
     grew slower, and runs late in a session paused more (a stage's latency p99 read 40-70 ms
     against 10-25 on a fresh broker, same code)."""
@@ -309,7 +321,7 @@ async def drop_topics(*every: KafkaSettings) -> None:
     admin = AIOKafkaAdminClient(**every[0].client_kwargs())
     await admin.start()
     try:
-        await admin.delete_topics([settings.topic(role) for settings in every for role in TOPIC_ROLES])
+        await admin.delete_topics([settings.topic(role) for settings in every for role in TOPIC_ROLES] + list(also))
     finally:
         await admin.close()
 
@@ -339,7 +351,7 @@ async def while_running(procs: dict[str, subprocess.Popen], work, log_dir: Path)
 def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
     """One run of the workers (this checkout, or `code`) on a fresh topic prefix."""
     settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"tp-{uuid.uuid4().hex[:6]}")
-    asyncio.run(timed_topics(settings))  # (goal (a): each token's time to the chunk log)
+    asyncio.run(timed_topics(settings, reply_topic(settings, args)))  # (goal (a): each token's time to the chunk log)
     metrics_port = free_port()
     procs = start_workers(settings, args, log_dir, code, metrics_port)
     try:
@@ -405,7 +417,7 @@ def measure(args, k: int, log_dir: Path, code: Path | None) -> dict:
         latencies = asyncio.run(produce_floor(floor_settings, per_s, size, args.step_s, seconds))
         floor = (per_s, size, pct(latencies, 0.5), pct(latencies, 0.99))
         asyncio.run(drop_topics(floor_settings))
-    asyncio.run(drop_topics(settings))
+    asyncio.run(drop_topics(settings, also=tuple(filter(None, [reply_topic(settings, args)]))))
     tokens = run["tokens"]
     hold = ((bucket_quantile(0.5, held_before, held_after), bucket_quantile(0.99, held_before, held_after))
             if held_before is not None and held_after is not None else (None, None))
@@ -475,6 +487,9 @@ def main() -> None:
     parser.add_argument("--text", nargs="+", choices=("synthetic", "ascii", "cjk"), default=["synthetic"],
                         help="what the output says, one run each (default synthetic; see above)")
     parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--reply-topic", action="store_true",
+                        help="the requests name a reply topic of the run's own (as the HTTP gateway's do), read "
+                             "instead of the results topic")
     parser.add_argument("--each-alone", action="store_true",
                         help="each stage at its own saturation: generate first, then the derender (see above)")
     parser.add_argument("--reference", metavar="REV", help="also run the workers of this git revision (see above)")
