@@ -367,3 +367,64 @@ async def test_a_publish_step_hands_over_partitions_with_room_first_and_waits_fo
           f"the live partition's record acknowledged before it ended")
 
 
+
+
+async def test_a_reply_topic_without_a_leader_holds_only_its_own_results(cluster, tiny_model_dir):
+    """A client's reply topic with one replica, on a broker that dies, while the derender
+    has ~450 KB of results for it. It sent a reply topic's results one by one: once the
+    partition's producer batch was full, a send waited the producer's request timeout and
+    was tried again, for good, and the derender's loop with it. Every other client's
+    results waited until that broker came back. Now they go in the derender's producer
+    batches, and the partition's wait in a lane of their own (workers/kafka/lanes.py):
+    a request for the results topic, sent after them, is answered while the broker is away;
+    the reply topic's results all arrive once it is back."""
+    from prometheus_client import REGISTRY
+
+    from schemas import OutputOptions
+    from tests.derender_support import make_chunks, position
+    from tests.test_derender_worker import all_final, produce_chunks, start_worker
+    from workers.kafka.settings import TOPIC_ROLES
+
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    victim, reply = 3, f"{settings.topic_prefix}.reply.away"
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(settings.topic(role), -1, -1, replica_assignments={0: [1]})
+                                   for role in TOPIC_ROLES] + [NewTopic(reply, -1, -1, replica_assignments={0: [victim]})])
+    finally:
+        await admin.close()
+    for topic in (settings.topic("chunks"), settings.topic("results"), reply):
+        await wait_for_leaders(lambda leaders: leaders.get(0, -1) >= 0, settings, topic, f"{topic}'s leader")
+    ids = [100 + (7 * i) % 900 for i in range(120)]
+    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    # ~9 KB of JSON a result (k = 5): 50 fill the reply topic's producer batch (256 KB) about twice
+    away = [make_chunks(f"away-{i}", ids, [120], positions=logprobs, prompt_tail=[1, 5], reply_topic=reply,
+                        output=OutputOptions(kind="completion", stream=False, top_logprobs=5))[0] for i in range(50)]
+    here = make_chunks("here", ids[:3], [1, 2], prompt_tail=[1, 5])
+    stop, task = await start_worker(settings, tiny_model_dir)
+    down = False
+    try:
+        await asyncio.to_thread(node_down, cluster, victim, kill=True)
+        down = True
+        await wait_for_leaders(lambda leaders: leaders[0] < 0, settings, reply, "the reply topic to lose its leader")
+        results_made = REGISTRY.get_sample_value("genpipe_results_total", {"worker": "derender"}) or 0.0
+        await produce_chunks(settings, away, {c.request_id: 0 for c in away})
+        await wait_for(lambda: (REGISTRY.get_sample_value("genpipe_results_total", {"worker": "derender"}) or 0.0)
+                       >= results_made + len(away), 60,
+                       "the reply topic's results made (a derender stuck publishing some makes no more)")
+        await produce_chunks(settings, here, {"here": 0})
+        try:
+            await read_topic(settings, settings.topic("results"), until=all_final({"here"}), timeout=30)
+        except AssertionError:
+            raise AssertionError("the results topic's request waited for the reply topic's broker") from None
+        assert not task.done(), "the derender worker stopped"
+        await asyncio.to_thread(node_up, cluster, victim)
+        down = False
+        replies = await read_topic(settings, reply, until=all_final({c.request_id for c in away}), timeout=120)
+    finally:
+        if down:
+            await asyncio.to_thread(node_up, cluster, victim)
+        stop.set()
+    assert await asyncio.wait_for(task, 60) == 0
+    assert sorted(r.key.decode() for r in replies) == sorted(c.request_id for c in away)  # once each, no error

@@ -293,3 +293,82 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
     assert message.startswith("derender: ") and repr(doomed) in message, message
     assert "was deleted while the result was on its way to it" in message or "does not exist" in message, message
     assert [r.key for r in records if HEADER_FINAL in dict(r.headers)].count(b"long") == 1
+
+
+@pytest.mark.kafka
+async def test_a_reply_topics_records_that_cannot_be_sent_fail_their_futures_not_the_batch(kafka_settings, make_topics):
+    """The derender sends a reply topic's results in its producer batches, beside the
+    results topic's (workers/derender/worker.py `_publish_pending`). A send for a client's
+    topic that fails at once (the topic gone, or never there) fails the futures of that
+    topic's records, which the derender answers as refused; it used to raise, and a
+    raise there stops the worker. The deployment's own topics (`own_topics`) still raise."""
+    from schemas import Cancel
+    from workers.kafka.clients import make_producer
+    from workers.kafka.publisher import Publisher, TopicUnavailable
+    from workers.kafka.records import Outgoing
+
+    await make_topics(kafka_settings, partitions=1)
+    results, gone = kafka_settings.topic("results"), f"{kafka_settings.topic_prefix}.reply.gone"
+    records = [Outgoing(results, "a", Cancel(request_id="a"), partition=0),
+               Outgoing(gone, "b", Cancel(request_id="b"), partition=0),
+               Outgoing(results, "c", Cancel(request_id="c"), partition=0)]
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, kafka_settings.topic("dlq"))
+        futures = await publisher.publish_batch(records, own_topics=(results,))
+        answers = await asyncio.gather(*futures, return_exceptions=True)
+        with pytest.raises(TopicUnavailable):
+            await publisher.publish_batch(records[1:2], own_topics=(gone,))
+    finally:
+        await producer.stop()
+    assert isinstance(answers[1], TopicUnavailable) and gone in str(answers[1])
+    assert answers[0] is answers[2] and answers[0].offset == 0  # (one producer batch: its future's answer)
+    read = await read_topic(kafka_settings, results, until=lambda r: len(r) >= 2)
+    assert [r.key for r in read] == [b"a", b"c"]
+
+
+def test_a_records_partition_past_its_topics_count_is_its_keys_as_aiokafka_picks_it():
+    """A reply topic with fewer partitions than the chunks topic: the publisher sends a
+    result to its key's partition (workers/kafka/publisher.py `key_partition`), in a batch
+    or alone, where aiokafka's default partitioner (Java's) puts a record sent without one."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    from workers.kafka.publisher import key_partition
+
+    for i in range(500):
+        key = f"cmpl-{i * 7919}"
+        for count in (1, 2, 3, 8):
+            assert key_partition(key, count) == DefaultPartitioner()(key.encode(), list(range(count)), [])
+
+
+@pytest.mark.kafka
+async def test_results_for_a_reply_topic_with_fewer_partitions_go_in_batches_to_their_keys_partition(
+        kafka_settings, make_topics):
+    from schemas import Cancel
+    from tests.kafka_helpers import create_topic
+    from workers.kafka.clients import make_producer
+    from workers.kafka.publisher import Publisher, key_partition
+    from workers.kafka.records import Outgoing, decode_message
+
+    await make_topics(kafka_settings, partitions=1)
+    two = f"{kafka_settings.topic_prefix}.reply.two"
+    await create_topic(kafka_settings, two, partitions=2)
+    keys = [f"r{i}" for i in range(8)]
+    records = [Outgoing(two, key, Cancel(request_id=f"{key}-{n}"), partition=5) for n in range(3) for key in keys]
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, kafka_settings.topic("dlq"))
+        assert await publisher.partition_count(two) == 2
+        futures = await publisher.publish_batch(records[:-1])
+        assert len(set(futures)) <= 2  # one producer batch per partition, not a send per record
+        futures.append(await publisher.publish(records[-1]))
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    read = await read_topic(kafka_settings, two, until=lambda r: len(r) >= len(records))
+    for key in keys:
+        mine = sorted((r for r in read if r.key == key.encode()), key=lambda r: r.offset)
+        assert {r.partition for r in mine} == {key_partition(key, 2)}
+        assert [decode_message(r, Cancel).request_id for r in mine] == [f"{key}-{n}" for n in range(3)]

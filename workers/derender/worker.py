@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -188,27 +189,28 @@ class DerenderHandler(Handler):
             self._counts = [0, 0, 0]
 
     async def _publish_pending(self) -> None:
-        """Publish the results of the chunks handled since the last call, those for the
-        default results topic as one producer batch per partition (many single sends cost
-        several times more: BENCHMARKS.md, "Throughput"); reply-topic records and cancels
-        one by one, as they may fail on their own. Called every loop turn (tick), before
-        a revoke and at shutdown, and when 500 records wait."""
+        """Publish the results of the chunks handled since the last call as one producer
+        batch per topic partition (many single sends cost several times more:
+        BENCHMARKS.md, "Throughput"), a known reply topic's too; a failure to send to a
+        reply topic fails its records' futures, answered as refused (`_answer_refused`).
+        Cancels, and results for a reply topic not known yet, go one by one. Called
+        every loop turn (tick), before a revoke and at shutdown, and when 500 records wait."""
         self._count()
         if self._refused:
             await self._answer_refused()
         pending, self._pending, self._pending_records = self._pending, [], 0
         if not pending:
             return
-        batch = [r for records, tp, _, _ in pending for r in records
-                 if r.topic == self.results_topic and r.partition is not None]
-        batch_futures = iter(await self.publisher.publish_batch(batch) if batch else ())
         results_topic = self.results_topic
+        batched = self._batched_rule()
+        batch = [r for records, tp, _, _ in pending for r in records if batched(r)]
+        batch_futures = iter(await self.publisher.publish_batch(batch, own_topics=(results_topic,)) if batch else ())
         # What each batch future's ack settles, with one callback per future (a producer
         # batch holds many chunks' results) rather than one per chunk.
         by_future: dict[asyncio.Future, _Sent] = {}
         for records, tp, offset, finished_rid in pending:
             release = self.request_start.pop(finished_rid)[1] if finished_rid in self.request_start else None
-            if len(records) == 1 and records[0].topic == results_topic and records[0].partition is not None:
+            if len(records) == 1 and batched(records[0]):
                 acked = next(batch_futures)  # the usual chunk: one result, in a batch
                 sent = by_future.get(acked)
                 if sent is None or sent.tp != tp:
@@ -220,8 +222,7 @@ class DerenderHandler(Handler):
                 if release is not None:
                     sent.releases.append(release)
             elif records:
-                futures = [next(batch_futures) if r.topic == results_topic and r.partition is not None
-                           else await self._publish(r, tp) for r in records]
+                futures = [next(batch_futures) if batched(r) else await self._publish(r, tp) for r in records]
                 # Settled once every record of this chunk is: a result and a cancel go to
                 # different topics, and the cancel's ack says nothing of the result's.
                 sent = _Sent(self, tp)
@@ -235,6 +236,26 @@ class DerenderHandler(Handler):
         for future, sent in by_future.items():
             future.add_done_callback(sent.settled)
         self._in_flight.set(len(self.request_start))
+
+    def _batched_rule(self) -> Callable[[Outgoing], bool]:
+        """Whether a record goes in `_publish_pending`'s producer batches: a result (it has
+        a partition) for the results topic, or for a reply topic whose partitions are known
+        (one with fewer than the chunks topic: the publisher hashes the key). Each topic is
+        looked at once a call, so the rule holds through the call."""
+        results_topic, publisher = self.results_topic, self.publisher
+        counts: dict[str, int] = {}
+
+        def batched(record: Outgoing) -> bool:
+            topic, partition = record.topic, record.partition
+            if partition is None:
+                return False
+            if topic == results_topic:
+                return True
+            count = counts.get(topic)
+            if count is None:
+                count = counts[topic] = publisher.known_partitions(topic)
+            return count > 0
+        return batched
 
     async def _answer_refused(self) -> None:
         """The broker refused results for good (a reply topic whose `max.message.bytes` is

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
+from aiokafka.partitioner import murmur2
 
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
 from workers.kafka.records import Outgoing, dlq_copy
@@ -84,6 +85,12 @@ class Publisher:
         # next records for the partition join it (`_join_queued`).
         self._open: dict[TopicPartition, tuple] = {}
 
+    def known_partitions(self, topic: str) -> int:
+        """The topic's partition count when known and still in the producer's metadata,
+        else 0; never waits (`partition_count` looks a topic up)."""
+        count = self._partitions.get(topic, 0)
+        return count if count and self.producer.client.cluster.partitions_for_topic(topic) is not None else 0
+
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
 
@@ -131,7 +138,7 @@ class Publisher:
             raise TopicUnavailable(record.topic)
         partition = record.partition
         if partition is not None and partition >= count:
-            partition = None  # a reply topic with fewer partitions: fall back to key hashing
+            partition = key_partition(record.key, count)  # a reply topic with fewer partitions
         if partition is not None and self.lanes and TopicPartition(record.topic, partition) in self.lanes:
             # behind the partition's records that wait in its lane, in order
             batch = self.producer.create_batch()
@@ -146,25 +153,39 @@ class Publisher:
         self._track(future)
         return future
 
-    async def publish_batch(self, records: list[Outgoing]) -> list[asyncio.Future]:
+    async def publish_batch(self, records: list[Outgoing],
+                            own_topics: Collection[str] | None = None) -> list[asyncio.Future]:
         """Publish many records with one producer batch per partition; a future per record.
 
         Many single send() calls cost ~3.5x more than batches (NOTES.md); the generate
-        worker publishes every step's chunks this way. Order within a partition is the
-        order of `records`. Records without a partition go through publish().
+        worker publishes every step's chunks this way, the derender its results, a
+        client's reply topic's too. Order within a partition is the order of `records`.
+        A record's partition past its topic's count (a reply topic with fewer partitions)
+        is its key's (`key_partition`); records without one go through publish().
+
+        `own_topics`: the topics where a send that fails at once (the topic vanished, this
+        worker may not write to it) raises, as a deployment that is broken; for any other
+        (a client's reply topic) the futures of its records fail with it instead, and the
+        caller answers them as refused. None: every failure raises.
         """
         futures: list[asyncio.Future | None] = [None] * len(records)
         groups: dict[tuple[str, int], list[int]] = {}
         counts = self._partitions  # known topics without an await per record (~1 µs each)
         for i, record in enumerate(records):
             partition, topic = record.partition, record.topic
-            if partition is not None and partition < (counts.get(topic) or await self.partition_count(topic)):
+            count = (counts.get(topic) or await self.partition_count(topic)) if partition is not None else 0
+            if count:
+                if partition >= count:
+                    partition = key_partition(record.key, count)
                 group = groups.get((topic, partition))
                 if group is None:
                     group = groups[(topic, partition)] = []
                 group.append(i)
             else:
-                futures[i] = await self.publish(record)
+                try:
+                    futures[i] = await self.publish(record)
+                except (TopicUnavailable, KafkaError) as exc:
+                    futures[i] = self._failed(topic, own_topics, exc)
         full: dict[TopicPartition, list[tuple]] = {}  # partitions whose queue the sender has not emptied
         for (topic, partition), indexes in groups.items():
             tp = TopicPartition(topic, partition)
@@ -177,17 +198,26 @@ class Publisher:
                 record = records[i]
                 appended = _append(batch, record)
                 if appended is None:  # full: send it and start the next one
-                    await self._send_batch(tp, batch, members, futures, full)
+                    await self._send_batch(tp, batch, members, futures, full, own_topics)
                     batch, members = self.producer.create_batch(), []
                     _append(batch, record)
                 members.append(i)
-            await self._send_batch(tp, batch, members, futures, full)
+            await self._send_batch(tp, batch, members, futures, full, own_topics)
         if full:
-            await asyncio.gather(*(self._send_when_room(tp, batches, futures) for tp, batches in full.items()))
+            await asyncio.gather(*(self._send_when_room(tp, batches, futures, own_topics)
+                                   for tp, batches in full.items()))
         return futures
 
+    def _failed(self, topic: str, own_topics: Collection[str] | None, exc: BaseException) -> asyncio.Future:
+        """`exc` raised, for one of `own_topics`; else a future failed with it."""
+        if own_topics is None or topic in own_topics:
+            raise exc
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(exc)
+        return future
+
     async def _send_batch(self, tp: TopicPartition, batch, members: list[int], futures: list,
-                          full: dict[TopicPartition, list[tuple]]) -> None:
+                          full: dict[TopicPartition, list[tuple]], own_topics: Collection[str] | None) -> None:
         """Hand `batch` over now when its partition has room (or a lane, which keeps the
         order); else keep it in `full`, behind the partition's earlier ones, to wait with
         the step's other partitions that have none (`_send_when_room`)."""
@@ -196,9 +226,10 @@ class Publisher:
         if tp in full or (tp not in self.lanes and self._queued is not None and self._queued.get(tp)):
             full.setdefault(tp, []).append((batch, members))
         else:
-            await self._hand_over(tp, batch, members, futures)
+            await self._hand_over(tp, batch, members, futures, own_topics)
 
-    async def _send_when_room(self, tp: TopicPartition, batches: list[tuple], futures: list) -> None:
+    async def _send_when_room(self, tp: TopicPartition, batches: list[tuple], futures: list,
+                              own_topics: Collection[str] | None) -> None:
         """A partition's batches that found its queue full, in order: each waits for room
         up to STUCK_AFTER_S (aiokafka alone waits its request timeout: lanes.py), then goes
         to the producer, or past that to a lane, as does every one after it. A step's
@@ -207,16 +238,19 @@ class Publisher:
         with it (a broker away that led four of a step's partitions held all of them 4 s)."""
         for batch, members in batches:
             room = tp not in self.lanes and await self._room_for(tp)
-            await self._hand_over(tp, batch, members, futures, to_lane=not room)
+            await self._hand_over(tp, batch, members, futures, own_topics, to_lane=not room)
 
     async def _hand_over(self, tp: TopicPartition, batch, members: list[int], futures: list,
-                         to_lane: bool = False) -> None:
+                         own_topics: Collection[str] | None, to_lane: bool = False) -> None:
         if to_lane or tp in self.lanes:
             batch.close()
             future = await self.lanes.add(tp, batch, batch.size())
         else:
-            future = await self._enqueue(tp.topic, tp.partition,
-                                         lambda: self.producer.send_batch(batch, tp.topic, partition=tp.partition))
+            try:
+                future = await self._enqueue(tp.topic, tp.partition, lambda: self.producer.send_batch(
+                    batch, tp.topic, partition=tp.partition))
+            except KafkaError as exc:
+                future = self._failed(tp.topic, own_topics, exc)
             queued = self._queued.get(tp) if self._queued is not None else None
             if queued and getattr(queued[-1], "_builder", None) is batch:  # (left open: aiokafka allows it)
                 self._open[tp] = (queued[-1], future)
@@ -399,6 +433,12 @@ class Publisher:
             log.warning("handing records over failed at shutdown (%r): that work was not committed, the "
                         "partitions' next owner redoes it", failed[0])
         return not failed
+
+
+def key_partition(key: str, count: int) -> int:
+    """The partition of `key` among `count`, as aiokafka's (and Java's) default partitioner
+    picks it for a record sent without one: murmur2 of the key's bytes."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % count
 
 
 def _append(batch, record: Outgoing):
