@@ -259,7 +259,7 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
     from workers.kafka.clients import make_admin
 
-    monkeypatch.setattr("workers.kafka.publisher.DELETED_TOPIC_WAIT_S", 2.0)
+    monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
     await make_topics(kafka_settings, partitions=1)
     doomed = f"{kafka_settings.topic_prefix}.reply.doomed"
     await create_topic(kafka_settings, doomed)
@@ -330,7 +330,7 @@ async def test_a_reply_topics_records_that_cannot_be_sent_fail_their_futures_not
 
 def test_a_records_partition_past_its_topics_count_is_its_keys_as_aiokafka_picks_it():
     """A reply topic with fewer partitions than the chunks topic: the publisher sends a
-    result to its key's partition (workers/kafka/publisher.py `key_partition`), in a batch
+    result to its key's partition (workers/kafka/topic_metadata.py `key_partition`), in a batch
     or alone, where aiokafka's default partitioner (Java's) puts a record sent without one."""
     from aiokafka.partitioner import DefaultPartitioner
 

@@ -1,4 +1,5 @@
-"""Publishing records and knowing when the broker has them.
+"""Publishing records and knowing when the broker has them (which topics exist, and
+their partition counts: topic_metadata.py).
 
 `publish()` returns a future that resolves when the broker acknowledged the record;
 workers release an offset only then (docs/design.md §4: commit only past acknowledged work).
@@ -14,25 +15,15 @@ import time
 from typing import Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
-from aiokafka.partitioner import murmur2
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
+from workers.kafka.topic_metadata import TopicCounts, TopicUnavailable, key_partition
 
 log = logging.getLogger(__name__)
 
-
-
-# How long a worker waits to learn whether a topic exists. aiokafka alone waits its whole
-# request timeout and then raises, which stopped the derender on a reply topic with a
-# typo (and again after every restart: a crash loop); a lookup is bounded by this and a
-# missing topic is remembered for UNKNOWN_TOPIC_RECHECK_S, so a stream of records naming
-# it costs one metadata request, not one wait each.
-METADATA_WAIT_S = 5.0
-UNKNOWN_TOPIC_RECHECK_S = 10.0
-_UNKNOWN_TOPICS_KEPT = 10_000
 
 # Shutdown: how long a worker waits for the broker to take and acknowledge the records it
 # handed over. With the broker away, aiokafka waits for it as long as it is away, and a
@@ -44,20 +35,6 @@ SHUTDOWN_WAIT_S = 10.0
 # partition of the cluster without a leader that wait had no end, and the whole group's
 # rebalance waited with it: every member, whatever its partitions (docs/design.md §7, "Fleet").
 REBALANCE_WAIT_S = 10.0
-
-
-# A topic deleted while records for it were queued: aiokafka waits for it for good (our
-# producers never expire a batch: workers/kafka/clients.py `keep_batches_until_sent`).
-# Absent from the cluster's metadata this long, and again in a fresh lookup, it is gone.
-DELETED_TOPIC_WAIT_S = 30.0
-
-
-class TopicUnavailable(Exception):
-    """The topic does not exist (or this client may not see it): nothing was sent."""
-
-    def __init__(self, topic: str):
-        super().__init__(f"topic {topic!r} does not exist (or this worker may not write to it)")
-        self.topic = topic
 
 
 def request_size_for(max_record_bytes: int) -> int:
@@ -73,11 +50,9 @@ class Publisher:
         self.in_flight = 0
         self.published = 0
         self.failed = 0
-        self._partitions: dict[str, int] = {}
-        self._unknown: dict[str, float] = {}  # topic -> when to look again
+        self.topics = TopicCounts(producer)  # which topics exist, their partition counts (topic_metadata.py)
+        self._partitions = self.topics.counts  # (read without a call on the hot path)
         self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
-        self._missing_since: dict[str, float] = {}  # topics with queued records, absent from the metadata
-        self._next_deleted_check = 0.0
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
         self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
@@ -85,50 +60,20 @@ class Publisher:
         # next records for the partition join it (`_join_queued`).
         self._open: dict[TopicPartition, tuple] = {}
 
-    def known_partitions(self, topic: str) -> int:
-        """The topic's partition count when known and still in the producer's metadata,
-        else 0; never waits (`partition_count` looks a topic up)."""
-        count = self._partitions.get(topic, 0)
-        return count if count and self.producer.client.cluster.partitions_for_topic(topic) is not None else 0
-
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
 
     async def partition_count(self, topic: str) -> int:
-        """The topic's partition count; 0 when it does not exist or the broker did not say
-        within METADATA_WAIT_S. Never raises."""
-        count = self._partitions.get(topic)
-        if count:
-            if self.producer.client.cluster.partitions_for_topic(topic) is not None:
-                return count
-            # Gone from the producer's metadata (deleted?): look again, bounded. aiokafka's
-            # send() waited 30 s for it, and the derender's loop with it, for every record.
-            del self._partitions[topic]
-        now = time.monotonic()
-        if self._unknown.get(topic, 0.0) > now:
-            return 0
-        count = await self._lookup(topic)
-        if count:
-            self._partitions[topic] = count
-            self._unknown.pop(topic, None)
-        else:
-            if len(self._unknown) >= _UNKNOWN_TOPICS_KEPT:
-                self._unknown.clear()
-            self._unknown[topic] = now + UNKNOWN_TOPIC_RECHECK_S
-        return count
+        """The topic's partition count, looked up when not known (`TopicCounts.count`)."""
+        return await self.topics.count(topic)
 
-    async def _lookup(self, topic: str) -> int:
-        known = self.producer.client.cluster.partitions_for_topic(topic)
-        if known:
-            return len(known)
-        # One metadata request for every topic, bounded; it names no topic, so it never
-        # makes a broker with auto-create on create one.
-        try:
-            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), METADATA_WAIT_S)
-        except (asyncio.TimeoutError, KafkaError) as exc:
-            log.warning("could not look up topic %r: %r", topic, exc)
-            return 0
-        return len(cluster.partitions_for_topic(topic) or ())
+    def known_partitions(self, topic: str) -> int:
+        """The topic's partition count if known, else 0; never waits (`TopicCounts.known`)."""
+        return self.topics.known(topic)
+
+    async def fail_records_of_deleted_topics(self) -> list[str]:
+        """Fail the records queued for topics deleted since (`TopicCounts.fail_records_of_deleted`)."""
+        return await self.topics.fail_records_of_deleted()
 
     async def publish(self, record: Outgoing) -> asyncio.Future:
         """Hand one record to the producer. Raises TopicUnavailable (quickly) when its
@@ -339,44 +284,6 @@ class Publisher:
                             "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
                             time.monotonic() - started)
 
-    async def fail_records_of_deleted_topics(self) -> list[str]:
-        """Fail the records queued for topics deleted after they were handed over (a reply
-        topic its client deleted mid-stream); returns those topics. aiokafka waits for such a topic
-        for good, and so did what waits on those records: a derender's chunk hold (its
-        partition committed no further) and its shutdown. They fail with
-        UnknownTopicOrPartitionError, which the derender answers like any refused result.
-        Cheap to call every loop turn: looks at most once a second. (A topic without a
-        leader is still in the metadata: its records keep waiting.)"""
-        now = time.monotonic()
-        if now < self._next_deleted_check:
-            return []
-        self._next_deleted_check = now + 1.0
-        accumulator = getattr(self.producer, "_message_accumulator", None)
-        queued = {tp.topic for tp in getattr(accumulator, "_batches", ())}
-        missing = queued - self.producer.client.cluster.topics()
-        for topic in [t for t in self._missing_since if t not in missing]:
-            del self._missing_since[topic]
-        due = [t for t in missing if now - self._missing_since.setdefault(t, now) >= DELETED_TOPIC_WAIT_S]
-        if not due:
-            return []
-        try:  # confirmed by a fresh lookup: a metadata answer may lack a topic for a moment
-            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), METADATA_WAIT_S)
-        except (asyncio.TimeoutError, KafkaError):
-            return []
-        gone = [t for t in due if not cluster.partitions_for_topic(t)]
-        for tp in [tp for tp in accumulator._batches if tp.topic in gone]:
-            batches = accumulator._batches.pop(tp)
-            log.warning("%s[%d]: the topic was deleted with %d records queued for it: failing them", tp.topic,
-                        tp.partition, sum(batch.record_count for batch in batches))
-            for batch in batches:
-                batch.failure(UnknownTopicOrPartitionError(f"topic {tp.topic!r} was deleted"))
-                if batch.future.done():
-                    batch.future.exception()  # (retrieved: the records' own futures carry it)
-        for topic in gone:
-            self._missing_since.pop(topic, None)
-            self._partitions.pop(topic, None)  # its next record finds it missing (TopicUnavailable)
-        return gone
-
     def _track(self, future: asyncio.Future, records: int = 1) -> None:
         self.in_flight += records
         future.add_done_callback(lambda f: self._done(f, records))
@@ -433,12 +340,6 @@ class Publisher:
             log.warning("handing records over failed at shutdown (%r): that work was not committed, the "
                         "partitions' next owner redoes it", failed[0])
         return not failed
-
-
-def key_partition(key: str, count: int) -> int:
-    """The partition of `key` among `count`, as aiokafka's (and Java's) default partitioner
-    picks it for a record sent without one: murmur2 of the key's bytes."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % count
 
 
 def _append(batch, record: Outgoing):

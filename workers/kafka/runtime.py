@@ -19,9 +19,9 @@ from workers.kafka.clients import (MAX_BATCH_BYTES, KafkaUnreachable, make_admin
                                    stop_producer)
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
-from workers.kafka.publisher import (MAX_RECORD_BYTES, METADATA_WAIT_S, SHUTDOWN_WAIT_S, Publisher,
-                                     request_size_for)
+from workers.kafka.publisher import MAX_RECORD_BYTES, SHUTDOWN_WAIT_S, Publisher, request_size_for
 from workers.kafka.settings import KafkaSettings
+from workers.kafka.topic_metadata import METADATA_WAIT_S
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
