@@ -38,7 +38,8 @@ floor's p99.
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
-        [--kind completion chat] [--text synthetic ascii cjk] [--each-alone] [--reference REV]
+        [--kind completion chat] [--text synthetic ascii cjk] [--each-alone] [--reply-topic]
+        [--reference REV]
 
 Workloads, one run each for every combination given: --k logprobs per position
 (completions: `logprobs=k`; chat: `logprobs=true, top_logprobs=k`), --kind of result
@@ -46,7 +47,9 @@ Workloads, one run each for every combination given: --k logprobs per position
 ids of the tiny vocabulary, whose text is mostly fragments and U+FFFD), `ascii` or `cjk`
 (ops/bench/derender.py's texts: English, code and numbers; CJK and emoji, byte pieces
 that the derender corrects), sent as the prompts of a generate worker run with
-`--synthetic-tokens prompt`, so the output is that text over and over.
+`--synthetic-tokens prompt`, so the output is that text over and over. --reply-topic:
+the requests name a reply topic of the run's own, as the HTTP gateway's do, and the
+results are read there.
 
 --each-alone measures each stage at its own saturation (the issue's "this 2-core machine
 cannot run the full rate at once"): the derender worker is stopped (SIGSTOP, well inside
