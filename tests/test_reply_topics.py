@@ -372,3 +372,38 @@ async def test_results_for_a_reply_topic_with_fewer_partitions_go_in_batches_to_
         mine = sorted((r for r in read if r.key == key.encode()), key=lambda r: r.offset)
         assert {r.partition for r in mine} == {key_partition(key, 2)}
         assert [decode_message(r, Cancel).request_id for r in mine] == [f"{key}-{n}" for n in range(3)]
+
+
+@pytest.mark.kafka
+async def test_a_reply_topic_with_fewer_partitions_gets_every_result_and_each_chunk_partition_commits(
+        kafka_settings, make_topics, tiny_model_dir):
+    """Requests from two chunk partitions naming a one-partition reply topic: their results
+    share that partition's producer batches (workers/derender/worker.py `_publish_pending`),
+    and each chunk partition's offsets are released by those batches' acknowledgements, so
+    both partitions commit to their end."""
+    from aiokafka import TopicPartition
+
+    from tests.kafka_helpers import create_topic, wait_for_commit
+    from tests.test_derender_worker import all_final, produce_chunks, start_worker
+
+    await make_topics(kafka_settings, partitions=2)
+    one = f"{kafka_settings.topic_prefix}.reply.one"
+    await create_topic(kafka_settings, one, partitions=1)
+    stream = OutputOptions(kind="completion", stream=True)
+    requests = {f"r{i}": i % 2 for i in range(6)}
+    chunks = [make_chunks(rid, [5, 6, 7, 8], output=stream, prompt_tail=[1], reply_topic=one) for rid in requests]
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, [c for i in range(4) for request in chunks for c in request[i:i + 1]],
+                             requests)
+        replies = await read_topic(kafka_settings, one, until=all_final(set(requests)))
+        for partition in (0, 1):
+            await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
+                                  TopicPartition(kafka_settings.topic("chunks"), partition), 12,
+                                  what=f"chunks[{partition}]'s commits")
+        assert not task.done(), "the derender worker stopped"
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 30) == 0
+    assert {r.partition for r in replies} == {0}
+    assert sorted(r.key.decode() for r in replies) == sorted(rid for rid in requests for _ in range(4))

@@ -214,7 +214,7 @@ class DerenderHandler(Handler):
                 acked = next(batch_futures)  # the usual chunk: one result, in a batch
                 sent = by_future.get(acked)
                 if sent is None or sent.tp != tp:
-                    if sent is not None:  # (one future per partition: not expected)
+                    if sent is not None:  # (a reply topic with fewer partitions: chunk partitions share a batch)
                         acked.add_done_callback(sent.settled)
                     sent = by_future[acked] = _Sent(self, tp, acked)
                 sent.offsets.append(offset)
