@@ -51,7 +51,6 @@ class Publisher:
         self.published = 0
         self.failed = 0
         self.topics = TopicCounts(producer)  # which topics exist, their partition counts (topic_metadata.py)
-        self._partitions = self.topics.counts  # (read without a call on the hot path)
         self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
@@ -115,7 +114,7 @@ class Publisher:
         """
         futures: list[asyncio.Future | None] = [None] * len(records)
         groups: dict[tuple[str, int], list[int]] = {}
-        counts = self._partitions  # known topics without an await per record (~1 µs each)
+        counts = self.topics.counts  # known topics without an await per record (~1 µs each)
         for i, record in enumerate(records):
             partition, topic = record.partition, record.topic
             count = (counts.get(topic) or await self.partition_count(topic)) if partition is not None else 0
