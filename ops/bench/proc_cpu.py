@@ -83,12 +83,22 @@ def collector_seconds(pid: int, since: float) -> float | None:
 
 
 def children(pid: int) -> list[int]:
-    """Child processes, leaving out multiprocessing's resource tracker (the engine child
-    is the other one)."""
+    """The engine child(ren) of a generate worker: its children that multiprocessing's spawn
+    started (workers/generate/engine_process.py), not its resource tracker nor a helper it
+    runs and that exits at once."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             pass
-    return [c for c in out if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [c for c in out if _spawned(c)]
+
+
+def _spawned(pid: int) -> bool:
+    """Whether a process runs multiprocessing's spawn_main; False for one gone since it was
+    listed (its /proc entry disappears with it: CI's throughput_gpu.sh run died on that)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
