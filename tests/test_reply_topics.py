@@ -176,12 +176,18 @@ async def test_generate_refuses_a_forbidden_reply_topic_and_answers_on_the_defau
 
 @pytest.mark.kafka
 async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partition_moves_on(
-        kafka_settings, make_topics, tiny_model_dir):
+        kafka_settings, make_topics, tiny_model_dir, monkeypatch):
     """A reply topic is the client's; one created with a record limit below a result's
     size (`max.message.bytes`) makes the broker refuse that result. On the old code the
     request got no answer, its chunk's offset stayed held (the partition committed no
     further, whatever came after), and as the producer is idempotent every later result
-    for that reply topic's partition was refused too (a hole in its sequence numbers)."""
+    for that reply topic's partition was refused too (a hole in its sequence numbers).
+    The derender reads a reply topic's limit when it meets it and sizes its results to it
+    (the test after this one); here it cannot, as where the broker's ACLs do not let it
+    describe the topic, so the broker's refusal is what tells it."""
+    async def not_described(self, topics):
+        pass
+    monkeypatch.setattr("workers.kafka.topic_metadata.TopicCounts._read_limits", not_described)
     from aiokafka import TopicPartition
     from tests.derender_support import position
     from tests.kafka_helpers import create_topic, wait_for_commit
@@ -407,3 +413,99 @@ async def test_a_reply_topic_with_fewer_partitions_gets_every_result_and_each_ch
     assert await asyncio.wait_for(task, 30) == 0
     assert {r.partition for r in replies} == {0}
     assert sorted(r.key.decode() for r in replies) == sorted(rid for rid in requests for _ in range(4))
+
+
+@pytest.mark.kafka
+async def test_a_reply_topic_with_a_small_record_limit_gets_every_result_that_fits_it(
+        kafka_settings, make_topics, tiny_model_dir):
+    """A client's reply topic may take smaller record batches (`max.message.bytes`) than
+    the derender makes (256 KB). The broker refuses a batch over that whole: the requests
+    whose results shared it got an error, though each result fitted the topic (a busy
+    moment is enough to grow a batch past it). The derender now reads the topic's limit
+    when it first meets it, cuts that topic's batches to it, and ends only a request whose
+    own result is over it, with an error that names the limit."""
+    from aiokafka import TopicPartition
+    from tests.derender_support import position
+    from tests.kafka_helpers import create_topic, read_to_end, wait_for_commit
+    from tests.test_derender_worker import all_final, produce_chunks, start_worker
+    from workers.derender.state import Derenderer
+
+    await make_topics(kafka_settings, partitions=1)
+    small = f"{kafka_settings.topic_prefix}.reply.small-batches"
+    await create_topic(kafka_settings, small, max_message_bytes=6000)
+    vocab = Derenderer(str(tiny_model_dir)).tables.size
+    ids = [100 + (7 * i) % 900 for i in range(120)]
+    assert max(ids) + 4 < vocab
+    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    stream = OutputOptions(kind="completion", stream=True, top_logprobs=5)
+    # 40 requests x 6 results of ~1 kB each (5 logprobs a token, 2 tokens a chunk): far more
+    # than 6000 bytes for the one partition once they are produced together
+    small_ones = {f"r{i}": make_chunks(f"r{i}", ids[i:i + 12], [2] * 6, positions=logprobs[i:i + 12],
+                                       prompt_tail=[1, 5], reply_topic=small, output=stream) for i in range(40)}
+    # ~8.6 kB of JSON in one non-streamed result: over the topic's limit alone
+    whole = make_chunks("whole", ids, [4] * 30, positions=logprobs, prompt_tail=[1, 5], reply_topic=small,
+                        output=OutputOptions(kind="completion", stream=False, top_logprobs=5))
+    chunks = [chunk for request in small_ones.values() for chunk in request] + whole
+    wanted = set(small_ones) | {"whole"}
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, chunks, {rid: 0 for rid in wanted})
+        replies = await read_topic(kafka_settings, small, timeout=60, until=all_final(wanted))
+        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
+                              TopicPartition(kafka_settings.topic("chunks"), 0), len(chunks),
+                              what="the partition's commits stopped")
+        assert not task.done(), "the derender worker stopped"
+    finally:
+        stop.set()
+    assert await asyncio.wait_for(task, 30) == 0
+    results = await read_to_end(kafka_settings, kafka_settings.topic("results"))
+    assert results == [], [decode_result(r.value, r.headers) for r in results]  # (no refusal answered there)
+    errors = _errors_by_request(replies)
+    assert set(errors) == {"whole"}, {k: e.error.message for k, e in errors.items()}
+    message = errors["whole"].error.message
+    assert message.startswith(f"derender: result too large for reply_topic {small!r}: "), message
+    assert "over the 5488 its max.message.bytes leaves for a record" in message, message
+    for rid in small_ones:
+        assert sum(r.key.decode() == rid for r in replies) == 6, rid  # every result, once
+    assert max(len(r.value) for r in replies) < 5488
+
+
+@pytest.mark.kafka
+async def test_the_publisher_cuts_batches_to_a_topics_record_limit_and_reads_it_again(
+        kafka_settings, make_topics, monkeypatch):
+    """`Publisher.publish_batch` made one batch per partition up to the producer's 256 KB,
+    which a topic with a lower `max.message.bytes` refuses whole. The limit is read with
+    the topic's partitions, batches for it are cut to it, and a raised limit is read again
+    (`TopicCounts.recheck_limits`, every LIMITS_RECHECK_S)."""
+    from schemas import Cancel
+    from tests.kafka_helpers import create_topic, set_max_message_bytes, wait_for
+    from workers.kafka.clients import make_producer
+    from workers.kafka.publisher import Publisher
+    from workers.kafka.records import Outgoing
+
+    monkeypatch.setattr("workers.kafka.topic_metadata.LIMITS_RECHECK_S", 0.5)
+    await make_topics(kafka_settings, partitions=1)
+    topic = f"{kafka_settings.topic_prefix}.reply.cut"
+    await create_topic(kafka_settings, topic, max_message_bytes=3000)
+    records = [Outgoing(topic, f"k{i}", Cancel(request_id=f"k{i}", reason="x" * 400), partition=0)
+               for i in range(40)]
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, kafka_settings.topic("dlq"))
+        assert await publisher.partition_count(topic) == 1
+        assert publisher.record_limit(topic) == 3000 - 512
+        futures = await publisher.publish_batch(records, own_topics=())
+        answers = await asyncio.gather(*futures, return_exceptions=True)
+        one = await publisher.publish(Outgoing(topic, "alone", Cancel(request_id="alone"), partition=0))
+        await one
+        await set_max_message_bytes(kafka_settings, topic, 2_000_000)
+        await wait_for(lambda: publisher.topics.recheck_limits() or publisher.record_limit(topic)
+                       == publisher.max_record_bytes, timeout=20, what="the raised limit read again")
+    finally:
+        await producer.stop()
+    refused = [a for a in answers if isinstance(a, BaseException)]
+    assert refused == [], refused[0]
+    assert len({id(f) for f in futures}) > 1  # (batches under the limit: one was 18 kB, refused whole)
+    read = await read_topic(kafka_settings, topic, until=lambda r: len(r) >= 41)
+    assert [r.key.decode() for r in read] == [f"k{i}" for i in range(40)] + ["alone"]

@@ -92,7 +92,9 @@ class Producer:
                 return appended
 
         self.sink, self.create_batch = sink, Batch
-        self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: set(range(8))))
+        # (no broker to describe a topic's max.message.bytes: no node, no limits)
+        self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: set(range(8))),
+                                      get_random_node=lambda: None)
 
     async def send_batch(self, batch, topic: str, partition: int):
         self.sink.extend((topic, key, value, headers) for key, value, headers in batch.kept)

@@ -156,6 +156,9 @@ class Publisher:
     def known_partitions(self, topic):
         return 8
 
+    def record_limit(self, topic):
+        return self.max_record_bytes  # (every topic takes the worker's limit)
+
     def _take(self, record):
         self.sink.append((record.topic, record.key.encode(), record.kafka_value(), record.kafka_headers()))
         future = asyncio.get_running_loop().create_future()

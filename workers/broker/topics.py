@@ -185,8 +185,22 @@ async def record_limits(admin, topics: Sequence[str]) -> dict[str, int]:
     where the broker tells: a topic this client may not describe is left out."""
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    responses = await admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"max.message.bytes": None}) for topic in topics])
+    return limits_described(await admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"max.message.bytes": None}) for topic in topics]))
+
+
+def describe_limits_request(topics: Sequence[str]):
+    """The DescribeConfigs request `record_limits` sends, for a client that is not an
+    admin (a worker's producer: workers/kafka/topic_metadata.py)."""
+    from aiokafka.admin.config_resource import ConfigResourceType
+    from aiokafka.protocol.admin import DescribeConfigsRequest
+
+    return DescribeConfigsRequest([(ConfigResourceType.TOPIC, topic, ["max.message.bytes"]) for topic in topics])
+
+
+def limits_described(responses) -> dict[str, int]:
+    """`max.message.bytes` by topic from DescribeConfigs responses; topics with an error
+    (not described: missing, or not allowed) are left out."""
     limits = {}
     for response in responses:
         for resource in response.to_object()["resources"]:

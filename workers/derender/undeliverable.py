@@ -19,19 +19,29 @@ log = logging.getLogger(__name__)
 
 
 def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callable[[Output], Outgoing],
-                        limit: int) -> list[tuple[Output, Outgoing]]:
+                        limit: int, limit_of: Callable[[str], int] | None = None) -> list[tuple[Output, Outgoing]]:
     """The derenderer's outputs with their records. A result over `limit` bytes (a long
     non-streamed answer with many logprobs) would be refused by the broker, leaving its
     request unanswered and its offset held: the error result that ends the request
-    (`Derenderer.fail`) goes in its place. The worker and `genpipe replay` both apply
-    it, so a replay reproduces the worker's records."""
+    (`Derenderer.fail`) goes in its place. `limit_of(topic)`, where given, is a topic's
+    own limit, lower than `limit` for a reply topic whose `max.message.bytes` is
+    (`Publisher.record_limit`). The worker and `genpipe replay` both apply it, so a
+    replay reproduces the worker's records (but for reply topics' own limits: those are
+    the broker's, read live)."""
     out = []
     for output in outputs:
         record = to_record(output)
-        if isinstance(output, Result) and record.size() > limit:
-            message = (f"result too large: {record.size()} bytes, over the record size limit of {limit} "
-                       f"bytes; ask for fewer logprobs (a non-streamed answer holds every token's "
-                       f"logprobs in one result, a streamed one those of one chunk)")
+        size = record.size()
+        if isinstance(output, Result) and (size > limit or limit_of is not None and size > limit_of(record.topic)):
+            if size > limit:
+                message = (f"result too large: {size} bytes, over the record size limit of {limit} "
+                           f"bytes; ask for fewer logprobs (a non-streamed answer holds every token's "
+                           f"logprobs in one result, a streamed one those of one chunk)")
+            else:
+                message = (f"result too large for reply_topic {record.topic!r}: {size} bytes, over the "
+                           f"{limit_of(record.topic)} its max.message.bytes leaves for a record; raise the "
+                           f"topic's max.message.bytes (to {limit} or more, the derender workers' "
+                           f"--max-record-bytes) or ask for fewer logprobs")
             log.warning("request %s: %s", output.request_id, message)
             # the request asked for more than a record holds: the client's to change
             out.extend((o, to_record(o)) for o in derenderer.fail(output, message, "invalid_request_error", 400))

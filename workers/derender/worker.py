@@ -148,11 +148,13 @@ class DerenderHandler(Handler):
         self._counts[1] += len(chunk.token_ids)
         rid = chunk.request_id
         outputs = self.derenderer.process(chunk)
+        limit_of = None
         for output in outputs:  # (a coroutine per chunk only when a reply topic needs checking)
             if type(output) is Result and output.reply_topic and output.reply_topic != self.results_topic:
                 outputs = await self._reply_topics_checked(outputs)
+                limit_of = self.publisher.record_limit  # (its max.message.bytes may be lower)
                 break
-        records = self._records(outputs, tp)
+        records = self._records(outputs, tp, limit_of)
         if rid not in self.request_start and self.derenderer.is_active(rid):
             # pins the commit until the request is finished
             self.request_start[rid] = (tp, self.offsets.hold(message))
@@ -346,10 +348,12 @@ class DerenderHandler(Handler):
         result = Result(rid, record.topic, record.value, record.headers, final)
         return [self._outgoing(o, tp) for o in answer_on_default_topic(self.derenderer, result, message)]
 
-    def _records(self, outputs: list, tp: TopicPartition) -> list[Outgoing]:
+    def _records(self, outputs: list, tp: TopicPartition, limit_of: Callable[[str], int] | None = None
+                 ) -> list[Outgoing]:
         # Sized on replays too (records below `publish_from`), so state is rebuilt the same way.
         return [record for _, record in within_record_limit(
-            self.derenderer, outputs, lambda output: self._outgoing(output, tp), self.publisher.max_record_bytes)]
+            self.derenderer, outputs, lambda output: self._outgoing(output, tp), self.publisher.max_record_bytes,
+            limit_of)]
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):

@@ -16,7 +16,9 @@ from typing import Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.producer.message_accumulator import BatchBuilder
 
+from workers.broker.topics import BATCH_OVERHEAD_BYTES
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
@@ -55,6 +57,8 @@ class Publisher:
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
         self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
+        self._batch_bytes = getattr(accumulator, "_batch_size", 1 << 62)  # (no cap where aiokafka hides it)
+        self._compression = getattr(accumulator, "_compression_type", None)
         # Each partition's last batch handed over, while the sender has not taken it: the
         # next records for the partition join it (`_join_queued`).
         self._open: dict[TopicPartition, tuple] = {}
@@ -71,8 +75,35 @@ class Publisher:
         return self.topics.known(topic)
 
     async def fail_records_of_deleted_topics(self) -> list[str]:
-        """Fail the records queued for topics deleted since (`TopicCounts.fail_records_of_deleted`)."""
+        """Fail the records queued for topics deleted since (`TopicCounts.fail_records_of_deleted`),
+        and read the known topics' `max.message.bytes` again when due (`recheck_limits`)."""
+        self.topics.recheck_limits()
         return await self.topics.fail_records_of_deleted()
+
+    def record_limit(self, topic: str) -> int:
+        """The largest record for `topic`: `max_record_bytes`, or less where the topic's
+        `max.message.bytes` is lower (a client's reply topic; the deployment's own are
+        checked at start, workers/kafka/runtime.py). Never waits: the limit was read when
+        the topic was looked up (`partition_count`)."""
+        limit = self.topics.limits.get(topic)
+        return self.max_record_bytes if limit is None else min(self.max_record_bytes, limit - BATCH_OVERHEAD_BYTES)
+
+    def _batch_cap(self, topic: str) -> int | None:
+        """The bytes a batch for `topic` may hold where its `max.message.bytes` is below
+        the producer's batches (a client's reply topic); None where it is not. The broker
+        refuses a batch over the limit whole, and every record in it with it (the others'
+        results beside one too large, or a batch of small ones that grew past it)."""
+        limit = self.topics.limits.get(topic)
+        if limit is None or limit - BATCH_OVERHEAD_BYTES >= self._batch_bytes:
+            return None
+        return max(1, limit - BATCH_OVERHEAD_BYTES)
+
+    def _new_batch(self, topic: str):
+        """A producer batch for `topic`, cut at its `_batch_cap`."""
+        cap = self._batch_cap(topic)
+        if cap is None:
+            return self.producer.create_batch()
+        return BatchBuilder(cap, self._compression, is_transactional=False)
 
     async def publish(self, record: Outgoing) -> asyncio.Future:
         """Hand one record to the producer. Raises TopicUnavailable (quickly) when its
@@ -85,10 +116,21 @@ class Publisher:
             partition = key_partition(record.key, count)  # a reply topic with fewer partitions
         if partition is not None and self.lanes and TopicPartition(record.topic, partition) in self.lanes:
             # behind the partition's records that wait in its lane, in order
-            batch = self.producer.create_batch()
+            batch = self._new_batch(record.topic)
             _append(batch, record)
             batch.close()
             future = await self.lanes.add(TopicPartition(record.topic, partition), batch, batch.size())
+            self._track(future)
+            return future
+        if self._batch_cap(record.topic) is not None:
+            # a topic that takes smaller batches than the producer makes: a batch of its own
+            # (the producer would put it in one with the partition's records before it)
+            batch = self._new_batch(record.topic)
+            _append(batch, record)
+            batch.close()
+            future = await self._enqueue(record.topic, partition, lambda: self.producer.send_batch(
+                batch, record.topic, partition=partition if partition is not None else key_partition(
+                    record.key, count)))
             self._track(future)
             return future
         future = await self._enqueue(record.topic, partition, lambda: self.producer.send(
@@ -137,13 +179,13 @@ class Publisher:
             # the check keeps a lane's records first should that change.)
             if self._open and not (self.lanes and tp in self.lanes):
                 indexes = indexes[self._join_queued(tp, records, indexes, futures):]
-            batch, members = self.producer.create_batch(), []
+            batch, members = self._new_batch(topic), []
             for i in indexes:
                 record = records[i]
                 appended = _append(batch, record)
                 if appended is None:  # full: send it and start the next one
                     await self._send_batch(tp, batch, members, futures, full, own_topics)
-                    batch, members = self.producer.create_batch(), []
+                    batch, members = self._new_batch(topic), []
                     _append(batch, record)
                 members.append(i)
             await self._send_batch(tp, batch, members, futures, full, own_topics)

@@ -1,6 +1,7 @@
 """What a worker's producer knows of the topics it writes: whether one exists, how many
-partitions it has, and when one was deleted under records queued for it. Lookups are
-bounded (aiokafka alone waits its request timeout for a missing topic, and raises)."""
+partitions it has, how large a record batch it takes, and when one was deleted under
+records queued for it. Lookups are bounded (aiokafka alone waits its request timeout for
+a missing topic, and raises)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ _UNKNOWN_TOPICS_KEPT = 10_000
 # Absent from the cluster's metadata this long, and again in a fresh lookup, it is gone.
 DELETED_TOPIC_WAIT_S = 30.0
 
+# A topic's `max.message.bytes` is read when the topic is first looked up, and again this
+# often while it is known: a client that raises its reply topic's limit after being told
+# to sees it taken within this time.
+LIMITS_RECHECK_S = 60.0
+
 
 class TopicUnavailable(Exception):
     """The topic does not exist (or this client may not see it): nothing was sent."""
@@ -52,6 +58,11 @@ class TopicCounts:
         self._unknown: dict[str, float] = {}  # topic -> when to look again
         self._missing_since: dict[str, float] = {}  # topics with queued records, absent from the metadata
         self._next_deleted_check = 0.0
+        # max.message.bytes of the known topics the broker would describe to this client
+        # (ACLs may not allow it: those are left out): `Publisher.record_limit`, `_new_batch`.
+        self.limits: dict[str, int] = {}
+        self._next_limits_check = 0.0
+        self._limits_task: asyncio.Task | None = None
 
     @property
     def client(self):
@@ -80,6 +91,7 @@ class TopicCounts:
         if count:
             self.counts[topic] = count
             self._unknown.pop(topic, None)
+            await self._read_limits([topic])
         else:
             if len(self._unknown) >= _UNKNOWN_TOPICS_KEPT:
                 self._unknown.clear()
@@ -98,6 +110,39 @@ class TopicCounts:
             log.warning("could not look up topic %r: %r", topic, exc)
             return 0
         return len(cluster.partitions_for_topic(topic) or ())
+
+    async def _read_limits(self, topics: list[str]) -> None:
+        """Read `max.message.bytes` of `topics` with one DescribeConfigs request through the
+        producer's own connection, bounded. A topic the broker does not describe to this
+        client (ACLs) keeps no limit: its records go as before, and the broker's refusal of
+        one too large is what tells (workers/derender/worker.py `_answer_refused`)."""
+        from workers.broker.topics import describe_limits_request, limits_described
+
+        node = self.client.get_random_node()
+        if node is None:
+            return
+        try:
+            response = await asyncio.wait_for(self.client.send(node, describe_limits_request(topics)),
+                                              METADATA_WAIT_S)
+            limits = limits_described([response])
+        except (asyncio.TimeoutError, KafkaError, ValueError, KeyError) as exc:
+            log.warning("could not read max.message.bytes of %s: %r", ", ".join(topics[:5]), exc)
+            return
+        for topic in topics:
+            if topic in limits:
+                self.limits[topic] = limits[topic]
+            else:
+                self.limits.pop(topic, None)
+
+    def recheck_limits(self) -> None:
+        """Read the known topics' limits again in the background, at most every
+        LIMITS_RECHECK_S (cheap to call every loop turn)."""
+        now = time.monotonic()
+        if now < self._next_limits_check or (self._limits_task is not None and not self._limits_task.done()):
+            return
+        self._next_limits_check = now + LIMITS_RECHECK_S
+        if self.counts:
+            self._limits_task = asyncio.ensure_future(self._read_limits(list(self.counts)))
 
     async def fail_records_of_deleted(self) -> list[str]:
         """Fail the records queued for topics deleted after they were handed over (a reply
@@ -135,4 +180,5 @@ class TopicCounts:
         for topic in gone:
             self._missing_since.pop(topic, None)
             self.counts.pop(topic, None)  # its next record finds it missing (TopicUnavailable)
+            self.limits.pop(topic, None)
         return gone
