@@ -175,8 +175,11 @@ class TopicCounts:
                         tp.partition, sum(batch.record_count for batch in batches))
             for batch in batches:
                 batch.failure(UnknownTopicOrPartitionError(f"topic {tp.topic!r} was deleted"))
-                if batch.future.done():
-                    batch.future.exception()  # (retrieved: the records' own futures carry it)
+                # (retrieved: the records' own futures carry it; else asyncio logs "Future
+                # exception was never retrieved" for each, the batch's drain waiter too)
+                for future in (batch.future, getattr(batch, "_drain_waiter", None)):
+                    if future is not None and future.done() and not future.cancelled():
+                        future.exception()
         for topic in gone:
             self._missing_since.pop(topic, None)
             self.counts.pop(topic, None)  # its next record finds it missing (TopicUnavailable)
