@@ -57,7 +57,9 @@ class Publisher:
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
         self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
-        self._batch_bytes = getattr(accumulator, "_batch_size", 1 << 62)  # (no cap where aiokafka hides it)
+        # The producer's batch size and compression, for batches cut smaller (`_batch_cap`);
+        # where this aiokafka hides them, no batch is cut.
+        self._batch_bytes = getattr(accumulator, "_batch_size", None)
         self._compression = getattr(accumulator, "_compression_type", None)
         # Each partition's last batch handed over, while the sender has not taken it: the
         # next records for the partition join it (`_join_queued`).
@@ -94,7 +96,7 @@ class Publisher:
         refuses a batch over the limit whole, and every record in it with it (the others'
         results beside one too large, or a batch of small ones that grew past it)."""
         limit = self.topics.limits.get(topic)
-        if limit is None or limit - BATCH_OVERHEAD_BYTES >= self._batch_bytes:
+        if limit is None or self._batch_bytes is None or limit - BATCH_OVERHEAD_BYTES >= self._batch_bytes:
             return None
         return max(1, limit - BATCH_OVERHEAD_BYTES)
 
