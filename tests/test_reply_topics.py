@@ -86,6 +86,25 @@ def _errors_by_request(records) -> dict[str, ErrorResponse]:
     return out
 
 
+def _ids_with_five_logprobs(tiny_model_dir):
+    """120 ids of the tiny vocabulary, each with 5 candidates: results of ~70 bytes a token."""
+    from tests.derender_support import position
+    from workers.derender.state import Derenderer
+
+    ids = [100 + (7 * i) % 900 for i in range(120)]
+    assert max(ids) + 4 < Derenderer(str(tiny_model_dir)).tables.size
+    return ids, [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+
+
+async def _committed_to(kafka_settings, partition: int, offset: int, what: str) -> None:
+    """The derender's group committed the chunks partition up to `offset` (its holds all went)."""
+    from aiokafka import TopicPartition
+    from tests.kafka_helpers import wait_for_commit
+
+    await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
+                          TopicPartition(kafka_settings.topic("chunks"), partition), offset, what=what)
+
+
 @pytest.mark.kafka
 async def test_derender_answers_bad_reply_topics_on_the_default_topic_and_keeps_running(
         kafka_settings, make_topics, tiny_model_dir):
@@ -188,19 +207,13 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
     async def not_described(self, topics):
         pass
     monkeypatch.setattr("workers.kafka.topic_metadata.TopicCounts._read_limits", not_described)
-    from aiokafka import TopicPartition
-    from tests.derender_support import position
-    from tests.kafka_helpers import create_topic, wait_for_commit
+    from tests.kafka_helpers import create_topic
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
-    from workers.derender.state import Derenderer
 
     await make_topics(kafka_settings, partitions=1)
     small_topic = f"{kafka_settings.topic_prefix}.reply.small-records"
     await create_topic(kafka_settings, small_topic, max_message_bytes=2000)
-    vocab = Derenderer(str(tiny_model_dir)).tables.size
-    ids = [100 + (7 * i) % 900 for i in range(120)]
-    assert max(ids) + 4 < vocab
-    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    ids, logprobs = _ids_with_five_logprobs(tiny_model_dir)
     # ~8.6 kB of JSON in one result: within the worker's limit (1 MB), over the topic's
     whole = make_chunks("whole", ids, [4] * 30, positions=logprobs, prompt_tail=[1, 5], reply_topic=small_topic,
                         output=OutputOptions(kind="completion", stream=False, top_logprobs=5))
@@ -225,9 +238,7 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
         await produce_chunks(kafka_settings, chunks[len(before + whole + streamed + default):],
                              {rid: 0 for rid in later_ids})
         replies = await read_topic(kafka_settings, small_topic, timeout=60, until=all_final(later_ids))
-        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
-                              TopicPartition(kafka_settings.topic("chunks"), 0), len(chunks),
-                              what="the partition's commits stopped at a refused result")
+        await _committed_to(kafka_settings, 0, len(chunks), "the partition's commits stopped at a refused result")
         assert not task.done(), "the derender worker stopped"
     finally:
         stop.set()
@@ -259,9 +270,7 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
     here), and the request gets an error on the default topic like any refused result.
     Results handled after the worker saw the topic go were worse: each publish waited 30 s
     in aiokafka (the whole loop with it) before it failed."""
-    from aiokafka import TopicPartition
-
-    from tests.kafka_helpers import create_topic, wait_for_commit
+    from tests.kafka_helpers import create_topic
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
     from workers.kafka.clients import make_admin
 
@@ -285,9 +294,8 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
         await produce_chunks(kafka_settings, long[2:] + after, {"long": 0, "after": 0})
         records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
                                    until=all_final({"long", "after"}))
-        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
-                              TopicPartition(kafka_settings.topic("chunks"), 0), len(long + after),
-                              what="the partition's commits stopped at results for a deleted topic")
+        await _committed_to(kafka_settings, 0, len(long + after),
+                            "the partition's commits stopped at results for a deleted topic")
         assert not task.done(), "the derender worker stopped"
     finally:
         stop.set()
@@ -392,9 +400,7 @@ async def test_a_reply_topic_with_fewer_partitions_gets_every_result_and_each_ch
     share that partition's producer batches (workers/derender/worker.py `_publish_pending`),
     and each chunk partition's offsets are released by those batches' acknowledgements, so
     both partitions commit to their end."""
-    from aiokafka import TopicPartition
-
-    from tests.kafka_helpers import create_topic, wait_for_commit
+    from tests.kafka_helpers import create_topic
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
 
     await make_topics(kafka_settings, partitions=2)
@@ -409,9 +415,7 @@ async def test_a_reply_topic_with_fewer_partitions_gets_every_result_and_each_ch
                              requests)
         replies = await read_topic(kafka_settings, one, until=all_final(set(requests)))
         for partition in (0, 1):
-            await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
-                                  TopicPartition(kafka_settings.topic("chunks"), partition), 12,
-                                  what=f"chunks[{partition}]'s commits")
+            await _committed_to(kafka_settings, partition, 12, f"chunks[{partition}]'s commits")
         assert not task.done(), "the derender worker stopped"
     finally:
         stop.set()
@@ -429,19 +433,13 @@ async def test_a_reply_topic_with_a_small_record_limit_gets_every_result_that_fi
     moment is enough to grow a batch past it). The derender now reads the topic's limit
     when it first meets it, cuts that topic's batches to it, and ends only a request whose
     own result is over it, with an error that names the limit."""
-    from aiokafka import TopicPartition
-    from tests.derender_support import position
-    from tests.kafka_helpers import create_topic, read_to_end, wait_for_commit
+    from tests.kafka_helpers import create_topic, read_to_end
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
-    from workers.derender.state import Derenderer
 
     await make_topics(kafka_settings, partitions=1)
     small = f"{kafka_settings.topic_prefix}.reply.small-batches"
     await create_topic(kafka_settings, small, max_message_bytes=6000)
-    vocab = Derenderer(str(tiny_model_dir)).tables.size
-    ids = [100 + (7 * i) % 900 for i in range(120)]
-    assert max(ids) + 4 < vocab
-    logprobs = [position(t, [t, t + 1, t + 2, t + 3, t + 4], 5) for t in ids]
+    ids, logprobs = _ids_with_five_logprobs(tiny_model_dir)
     stream = OutputOptions(kind="completion", stream=True, top_logprobs=5)
     # 40 requests x 6 results of ~1 kB each (5 logprobs a token, 2 tokens a chunk): far more
     # than 6000 bytes for the one partition once they are produced together
@@ -456,9 +454,7 @@ async def test_a_reply_topic_with_a_small_record_limit_gets_every_result_that_fi
     try:
         await produce_chunks(kafka_settings, chunks, {rid: 0 for rid in wanted})
         replies = await read_topic(kafka_settings, small, timeout=60, until=all_final(wanted))
-        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-der",
-                              TopicPartition(kafka_settings.topic("chunks"), 0), len(chunks),
-                              what="the partition's commits stopped")
+        await _committed_to(kafka_settings, 0, len(chunks), "the partition's commits stopped")
         assert not task.done(), "the derender worker stopped"
     finally:
         stop.set()
