@@ -62,7 +62,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "(env GENPIPE_REPLY_TOPIC_PATTERN; default %(default)s). The deployment's "
                              "requests, chunks, cancel and dlq topics are never allowed. A request "
                              "outside it gets an invalid_request_error on <prefix>.results. Use the "
-                             "same value for both workers.")
+                             "same value for both workers. The derender reads a reply topic's own "
+                             "max.message.bytes (where the broker lets it describe the topic) and fits "
+                             "its batches to it; a result over it ends its request with an error naming "
+                             "the limit.")
     parser.add_argument("--event-loop", type=one_of("auto", "uvloop", "asyncio"), metavar="{auto,uvloop,asyncio}",
                         default=os.environ.get("GENPIPE_EVENT_LOOP", "auto"),
                         help="the event loop the worker runs on (env GENPIPE_EVENT_LOOP): uvloop (a "
