@@ -180,18 +180,9 @@ async def _wait_for_leaders(admin, names: list[str], timeout: float) -> dict[str
 BATCH_OVERHEAD_BYTES = 512
 
 
-async def record_limits(admin, topics: Sequence[str]) -> dict[str, int]:
-    """Each topic's `max.message.bytes` (the largest record batch the broker accepts),
-    where the broker tells: a topic this client may not describe is left out."""
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-    return limits_described(await admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"max.message.bytes": None}) for topic in topics]))
-
-
 def describe_limits_request(topics: Sequence[str]):
-    """The DescribeConfigs request `record_limits` sends, for a client that is not an
-    admin (a worker's producer: workers/kafka/topic_metadata.py)."""
+    """A DescribeConfigs request for `topics`' `max.message.bytes`, for a client that is not
+    an admin (a worker's producer: workers/kafka/topic_metadata.py)."""
     from aiokafka.admin.config_resource import ConfigResourceType
     from aiokafka.protocol.admin import DescribeConfigsRequest
 

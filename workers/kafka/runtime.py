@@ -12,16 +12,12 @@ import logging
 import signal
 from typing import Awaitable, Callable, Sequence
 
-from aiokafka.errors import KafkaError
-
-from workers.broker.topics import record_limit_problems, record_limits
-from workers.kafka.clients import (MAX_BATCH_BYTES, KafkaUnreachable, make_admin, make_producer, start_client,
-                                   stop_producer)
+from workers.broker.topics import record_limit_problems
+from workers.kafka.clients import MAX_BATCH_BYTES, KafkaUnreachable, make_producer, start_client, stop_producer
 from workers.kafka.loop import ConsumerLoop, Handler
 from workers.kafka.offsets import PartitionOffsets
 from workers.kafka.publisher import MAX_RECORD_BYTES, SHUTDOWN_WAIT_S, Publisher, request_size_for
 from workers.kafka.settings import KafkaSettings
-from workers.kafka.topic_metadata import METADATA_WAIT_S
 from workers.startup import StartupError, one_line
 
 log = logging.getLogger(__name__)
@@ -74,7 +70,7 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
                            f"{'do' if len(missing) > 1 else 'does'} not exist on {settings.bootstrap_servers} "
                            f"(or this worker may not see {'them' if len(missing) > 1 else 'it'}): create them with "
                            f"`genpipe topics create --topic-prefix {settings.topic_prefix}`")
-    problems = await _record_limit_problems(settings, [*writes, settings.topic("dlq")], max_record_bytes)
+    problems = _record_limit_problems(publisher, [*writes, settings.topic("dlq")], max_record_bytes)
     if problems:
         await producer.stop()
         raise StartupError("; ".join(problems))
@@ -117,24 +113,13 @@ async def serve(settings: KafkaSettings, *, topic: str | Sequence[str], group_id
             loop.remove_signal_handler(sig)
 
 
-async def _record_limit_problems(settings: KafkaSettings, topics: list[str], max_record_bytes: int) -> list[str]:
+def _record_limit_problems(publisher: Publisher, topics: list[str], max_record_bytes: int) -> list[str]:
     """The topics of `topics` whose `max.message.bytes` refuses what this worker writes
-    there (workers/broker/topics.py `record_limit_problems`). A topic whose limit cannot be
-    read (the worker may not describe it: a deployment's ACLs need not allow it) is not
-    checked, and the log says so."""
-    admin = make_admin(settings)
-    try:
-        await start_client(admin, settings)
-    except KafkaUnreachable as exc:
-        log.warning("record limits of %s not checked: %s", ", ".join(topics), exc)
-        return []
-    try:
-        limits = await asyncio.wait_for(record_limits(admin, topics), METADATA_WAIT_S)
-    except (KafkaError, asyncio.TimeoutError) as exc:
-        log.warning("record limits of %s not checked: %r", ", ".join(topics), exc)
-        return []
-    finally:
-        await admin.close()
+    there (workers/broker/topics.py `record_limit_problems`), from the limits the publisher
+    read when it looked the topics up (workers/kafka/topic_metadata.py). A topic whose
+    limit could not be read (the worker may not describe it: a deployment's ACLs need not
+    allow it) is not checked, and the log says so."""
+    limits = {topic: publisher.topics.limits[topic] for topic in topics if topic in publisher.topics.limits}
     unread = [topic for topic in topics if topic not in limits]
     if unread:
         log.info("record limits of %s not checked (this worker may not describe them)", ", ".join(unread))
