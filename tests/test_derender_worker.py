@@ -8,10 +8,11 @@ import random
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 
 from schemas import JSON, Cancel, ChatCompletionChunk, ErrorResponse, OutputOptions, encode, headers_for
 from schemas.openai import OpenAIResult
-from tests.derender_support import make_chunks, position
+from tests.derender_support import encode_ids, make_chunks, position
 from tests.kafka_helpers import committed_offsets, read_topic
 from workers.cli import main
 from workers.client import decode_result
@@ -233,3 +234,40 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
     assert rc == 0
     replayed = [json.loads(line) for line in out_file.read_bytes().splitlines()]
     assert [(r["key"], r["value"]) for r in replayed] == [(r.key.decode(), json.loads(r.value)) for r in records]
+
+
+async def test_cancels_for_stop_strings_reach_their_keys_partitions_once_each(kafka_settings, make_topics,
+                                                                              tiny_model_dir):
+    # A stop string ends each request early: its final result says so, and generate is
+    # asked (on the cancel topic) to stop it. The cancels of a loop turn go in the
+    # producer's batches with the results, so each names its partition: it must be the one
+    # the default partitioner picks for its key (as the gateway's cancels, sent without one),
+    # not the chunk's.
+    await make_topics(kafka_settings, partitions=PARTITIONS)
+    tables = Derenderer(str(tiny_model_dir)).tables
+    ids = encode_ids(tables, "one two three stop four five six seven")
+    output = OutputOptions(kind="completion", stream=True, stop=["stop"])
+    requests = {f"stop-{i}": make_chunks(f"stop-{i}", ids, output=output, prompt_tail=[1, 5]) for i in range(24)}
+    partition_of = {rid: i % PARTITIONS for i, rid in enumerate(requests)}
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, interleave(requests, random.Random(3)), partition_of)
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"), until=all_final(set(requests)))
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"),
+                                   until=lambda r: len(r) >= len(requests))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    got, _ = results_by_request(records)
+    for rid in requests:
+        assert got[rid][-1].choices[0].finish_reason == "stop"
+        assert "".join(r.choices[0].text for r in got[rid]) == " one two three "
+    partitioner = DefaultPartitioner()
+    where = {c.key.decode(): c.partition for c in cancels}
+    assert len(cancels) == len(requests) and set(where) == set(requests)  # one each
+    assert all(decode_record(c.value, c.headers, Cancel).request_id == c.key.decode() for c in cancels)
+    assert where == {rid: partitioner(rid.encode(), list(range(PARTITIONS)), None) for rid in requests}
+    assert any(where[rid] != partition_of[rid] for rid in requests)  # (so the chunk's would not do)
+    tps = [TopicPartition(kafka_settings.topic("chunks"), p) for p in range(PARTITIONS)]
+    committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", tps)
+    assert sum(committed[tp].offset for tp in tps) == sum(len(chunks) for chunks in requests.values())

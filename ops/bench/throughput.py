@@ -38,7 +38,7 @@ floor's p99.
 
     python ops/bench/throughput.py [--bootstrap-servers 127.0.0.1:9092] [--step-ms 2]
         [--max-batch 256] [--requests 512] [--max-tokens 128] [--k 0 5 20] [--no-stream]
-        [--kind completion chat] [--text synthetic ascii cjk] [--each-alone] [--reply-topic]
+        [--kind completion chat] [--text synthetic ascii cjk] [--stop TEXT] [--each-alone] [--reply-topic]
         [--reference REV]
 
 Workloads, one run each for every combination given: --k logprobs per position
@@ -49,7 +49,12 @@ ids of the tiny vocabulary, whose text is mostly fragments and U+FFFD), `ascii` 
 that the derender corrects), sent as the prompts of a generate worker run with
 `--synthetic-tokens prompt`, so the output is that text over and over. --reply-topic:
 the requests name a reply topic of the run's own, as the HTTP gateway's do, and the
-results are read there.
+results are read there. --stop TEXT: every request has these stop strings (with --text
+ascii, `--stop '\\n'` ends most within a line): the derender ends a request at the first, and
+asks generate to stop it (a cancel record each); generate makes its tokens all the same
+when the derender runs after it (--each-alone), and the derender reads every chunk, those
+past the stop too, so the per-token figures still divide by every token generated
+(without --each-alone generate stops those requests early: compare codes, not runs).
 
 --each-alone measures each stage at its own saturation (the issue's "this 2-core machine
 cannot run the full rate at once"): the derender worker is stopped (SIGSTOP, well inside
@@ -98,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import os
 import shlex
 import signal
@@ -234,7 +240,7 @@ def make_requests(args, k: int, count: int, reply_topic: str | None = None) -> l
     logprobs = {} if not k else ({"logprobs": True, "top_logprobs": k} if args.kind == "chat" else {"logprobs": k})
     return [make_request(args.prompts[i % len(args.prompts)] if args.prompts else [1, 5, 6, 7], kind=args.kind,
                          max_tokens=args.max_tokens, ignore_eos=True, stream=not args.no_stream,
-                         reply_topic=reply_topic, **logprobs)
+                         reply_topic=reply_topic, stop=args.stop, **logprobs)
             for i in range(count)]
 
 
@@ -490,6 +496,9 @@ def main() -> None:
     parser.add_argument("--text", nargs="+", choices=("synthetic", "ascii", "cjk"), default=["synthetic"],
                         help="what the output says, one run each (default synthetic; see above)")
     parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--stop", nargs="+", default=[], metavar="TEXT",
+                        type=lambda text: codecs.decode(text, "unicode_escape"),
+                        help="stop strings for every request (backslash escapes as in Python: '\\n'); see above")
     parser.add_argument("--reply-topic", action="store_true",
                         help="the requests name a reply topic of the run's own (as the HTTP gateway's do), read "
                              "instead of the results topic")
@@ -512,7 +521,8 @@ def main() -> None:
               else f"model {args.model} on {args.device} ({args.dtype})")
     print(f"{engine}, batch {args.max_batch}, {args.requests} requests x {args.max_tokens} tokens; "
           f"ratios are to the engine alone on each load's requests (printed before its rows)"
-          + (f"; generate-worker {args.generate_args}" if args.generate_args else ""))
+          + (f"; generate-worker {args.generate_args}" if args.generate_args else "")
+          + (f"; stop {args.stop!r}" if args.stop else ""))
     stage = f" {'stage':>9}" if args.each_alone else ""
     print(f"{'code':<9} {'kind':<10} {'text':<9} {'k':>3} {'stream':>6}{stage} {'tok/s':>9} {'ratio':>6} "
           f"{'10-90%':>9} {'ratio':>6} {'gen us/tok':>10} {'engine us/tok':>13} {'derender us/tok':>15} "

@@ -30,6 +30,7 @@ from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
+from workers.kafka.topic_metadata import key_partition
 from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, PUBLISH_REFUSED, REPLY_REFUSED,
                              RESULTS, TOKENS, HistogramBatch, series)
 
@@ -195,7 +196,8 @@ class DerenderHandler(Handler):
         batch per topic partition (many single sends cost several times more:
         BENCHMARKS.md, "Throughput"), a known reply topic's too; a failure to send to a
         reply topic fails its records' futures, answered as refused (`_answer_refused`).
-        Cancels, and results for a reply topic not known yet, go one by one. Called
+        Cancels go in them too (on their keys' partitions: `_outgoing`); results for a
+        reply topic not known yet go one by one. Called
         every loop turn (tick), before a revoke and at shutdown, and when 500 records wait."""
         self._count()
         if self._refused:
@@ -206,7 +208,8 @@ class DerenderHandler(Handler):
         results_topic = self.results_topic
         batched = self._batched_rule()
         batch = [r for records, tp, _, _ in pending for r in records if batched(r)]
-        batch_futures = iter(await self.publisher.publish_batch(batch, own_topics=(results_topic,)) if batch else ())
+        batch_futures = iter(await self.publisher.publish_batch(batch, own_topics=(results_topic, self.cancel_topic))
+                             if batch else ())
         # What each batch future's ack settles, with one callback per future (a producer
         # batch holds many chunks' results) rather than one per chunk.
         by_future: dict[asyncio.Future, _Sent] = {}
@@ -242,7 +245,8 @@ class DerenderHandler(Handler):
     def _batched_rule(self) -> Callable[[Outgoing], bool]:
         """Whether a record goes in `_publish_pending`'s producer batches: a result (it has
         a partition) for the results topic, or for a reply topic whose partitions are known
-        (one with fewer than the chunks topic: the publisher hashes the key). Each topic is
+        (one with fewer than the chunks topic: the publisher hashes the key), or a cancel
+        given its partition (`_outgoing`). Each topic is
         looked at once a call, so the rule holds through the call."""
         results_topic, publisher = self.results_topic, self.publisher
         counts: dict[str, int] = {}
@@ -357,8 +361,15 @@ class DerenderHandler(Handler):
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):
+            # On its key's partition, as the producer's partitioner would put it (every
+            # generate worker reads them all), so it goes in the turn's producer batches
+            # with the results: sent alone, a cancel cost ~40 µs of CPU, in a batch ~5
+            # (BENCHMARKS.md, "Cancels in the derender's batches"). Not known yet (the topic
+            # looked up again after it went away): sent alone, the partitioner's choice.
+            count = self.publisher.known_partitions(self.cancel_topic)
             return Outgoing(self.cancel_topic, output.request_id,
-                            Cancel(request_id=output.request_id, reason=output.reason), MSGPACK)
+                            Cancel(request_id=output.request_id, reason=output.reason), MSGPACK,
+                            partition=key_partition(output.request_id, count) if count else None)
         # The default results topic shares the chunk topic's partition count: keep the
         # request on its partition number. A reply topic may have fewer (the publisher
         # then falls back to key hashing).
