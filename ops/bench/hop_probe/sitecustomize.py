@@ -135,11 +135,11 @@ if os.environ.get("GENPIPE_HOP_PROBE"):
     def _patch_publisher(module) -> None:
         publish_batch = module.Publisher.publish_batch
 
-        async def wrapped(self, records):
+        async def wrapped(self, records, *args, **kwargs):  # (the derender's call passes own_topics)
             marks = _marks.get()
             if marks is not None and not marks:
                 marks += [_clock(), len(records)]
-            return await publish_batch(self, records)
+            return await publish_batch(self, records, *args, **kwargs)
 
         module.Publisher.publish_batch = wrapped
 
