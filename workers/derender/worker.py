@@ -363,10 +363,9 @@ class DerenderHandler(Handler):
         if isinstance(output, CancelRequest):
             # On its key's partition, as the producer's partitioner would put it (every
             # generate worker reads them all), so it goes in the turn's producer batches
-            # with the results: sent alone, a cancel cost 10-20 µs more CPU where the
-            # producer keeps up (BENCHMARKS.md, "Cancels in the derender's batches"). Topic
-            # not known (looked up again after it went away): sent alone, where the
-            # producer's partitioner puts it.
+            # with the results: sent alone, a cancel cost 4-20 µs more CPU (BENCHMARKS.md,
+            # "Cancels in the derender's batches"). Topic not known (looked up again after
+            # it went away): sent alone, where the producer's partitioner puts it.
             count = self.publisher.known_partitions(self.cancel_topic)
             return Outgoing(self.cancel_topic, output.request_id,
                             Cancel(request_id=output.request_id, reason=output.reason), MSGPACK,
