@@ -13,6 +13,7 @@ import asyncio
 import os
 import sys
 import time
+from collections import Counter
 
 from workers.cli_options import at_least, quiet_kafka_logs, resolve_topic, topic_arg
 from workers.derender.commands import add_derender_options
@@ -173,6 +174,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                 left = {tp.partition: (await consumer.position(tp), stop[tp]) for tp in stop}
                 raise RuntimeError(f"no progress for {STALL_S:g} s reading {topic}; partition: "
                                    f"(position, stop) = {left}")
+            outgoing: list[Outgoing] = []  # this poll's results, for one publish_batch
             for message in records:
                 try:
                     chunk = decode_message(message, GenerateChunk)
@@ -201,11 +203,15 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                         continue  # a stop-string cancel: the live pipeline sent it already
                     summary["results"] += 1
                     if publisher is not None:
-                        future = await publisher.publish(record)
-                        future.add_done_callback(lambda f: failures.append(f.exception())
-                                                 if not f.cancelled() and f.exception() else None)
+                        outgoing.append(record)
                     else:
                         sink.write(result_line(output))
+            if outgoing:
+                # A poll's results as one producer batch per partition, in order (one
+                # send each cost several times more: BENCHMARKS.md, "genpipe replay").
+                for future, count in Counter(await publisher.publish_batch(outgoing)).items():
+                    future.add_done_callback(lambda f, n=count: failures.extend([f.exception()] * n)
+                                             if not f.cancelled() and f.exception() else None)
         if publisher is not None:
             await publisher.flush()
             if failures:
