@@ -207,8 +207,8 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                     else:
                         sink.write(result_line(output))
             if outgoing:
-                # A poll's results as one producer batch per partition, in order (one
-                # send each cost several times more: BENCHMARKS.md, "genpipe replay").
+                # A poll's results as one producer batch per partition, in order: a send
+                # each cost 8-25 µs more per result (BENCHMARKS.md, "`genpipe replay`'s sends").
                 for future, count in Counter(await publisher.publish_batch(outgoing)).items():
                     future.add_done_callback(lambda f, n=count: failures.extend([f.exception()] * n)
                                              if not f.cancelled() and f.exception() else None)
