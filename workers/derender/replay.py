@@ -208,7 +208,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                         sink.write(result_line(output))
             if outgoing:
                 # A poll's results as one producer batch per partition, in order: a send
-                # each cost 8-25 µs more per result (BENCHMARKS.md, "`genpipe replay`'s sends").
+                # each cost 4-25 µs more per result (BENCHMARKS.md, "`genpipe replay`'s sends").
                 for future, count in Counter(await publisher.publish_batch(outgoing)).items():
                     future.add_done_callback(lambda f, n=count: failures.extend([f.exception()] * n)
                                              if not f.cancelled() and f.exception() else None)
