@@ -8,6 +8,9 @@ partition order, publishes its outputs, and keeps the commits honest:
 - replay: the commit metadata records how far results were already published
   (`published=<offset>`); records below that are re-processed to rebuild state, but
   their results are not published again.
+
+What the producer's answers settle, and the errors sent in place of refused results:
+delivery.py.
 """
 
 from __future__ import annotations
@@ -18,31 +21,26 @@ import time
 from typing import Callable
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
-from schemas.headers import HEADER_FINAL
+from workers.derender.delivery import Delivery, Sent
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
-from workers.derender.undeliverable import answer_on_default_topic, refusal_message, within_record_limit
+from workers.derender.undeliverable import answer_on_default_topic, within_record_limit
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_settled
-from workers.kafka.publisher import Publisher, TopicUnavailable
+from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
 from workers.kafka.topic_metadata import key_partition
-from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, PUBLISH_REFUSED, REPLY_REFUSED,
-                             RESULTS, TOKENS, HistogramBatch, series)
+from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, REPLY_REFUSED, RESULTS, TOKENS,
+                             HistogramBatch, series)
 
 W = "derender"  # metrics label
 
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "published="
-# Requests already answered with an error because the broker refused one of their results:
-# a later refused result of theirs (in the same batch, or sent before the first refusal was
-# known) is not answered again.
-_ANSWERED_KEPT = 10_000
 
 
 def parse_published(metadata: str | None) -> int:
@@ -53,50 +51,6 @@ def parse_published(metadata: str | None) -> int:
         except ValueError:
             pass
     return 0
-
-
-class _Sent:
-    """Records handed to the producer for some chunks of one partition, and what their
-    acknowledgement settles: the chunks' offsets in `published` and the holds of the
-    requests they finished. Refused for good, they go to `_answer_refused`."""
-
-    __slots__ = ("handler", "tp", "shared", "offsets", "records", "futures", "releases", "replacing")
-
-    def __init__(self, handler: DerenderHandler, tp: TopicPartition, shared: asyncio.Future | None = None,
-                 replacing: bool = False):
-        self.handler, self.tp = handler, tp
-        self.shared = shared  # the one future of all `records` (a producer batch), else `futures`
-        self.offsets: list[int] = []
-        self.records: list[Outgoing] = []
-        self.futures: list[asyncio.Future] = []
-        self.releases: list[Release] = []
-        self.replacing = replacing  # error results sent in place of refused ones
-
-    def futures_of_records(self):
-        return zip(self.records, self.futures if self.shared is None else [self.shared] * len(self.records))
-
-    def settled(self, _: asyncio.Future) -> None:
-        """Called once every future has its answer (`when_settled`)."""
-        futures = self.futures if self.shared is None else (self.shared,)
-        if any(f.cancelled() for f in futures):
-            return  # (shutdown) not published: the watermark stays below, a replay publishes again
-        if all(f.exception() is None for f in futures):
-            self.release_all()
-        else:
-            self.handler._refused.append(self)
-
-    def when_settled(self) -> None:
-        futures = self.futures
-        (futures[0] if len(futures) == 1 else asyncio.gather(*futures, return_exceptions=True)).add_done_callback(
-            self.settled)
-
-    def release_all(self) -> None:
-        tracker = self.handler.published.get(self.tp)
-        if tracker is not None:
-            for offset in self.offsets:
-                tracker.release(offset)
-        for release in self.releases:
-            release()
 
 
 class DerenderHandler(Handler):
@@ -115,8 +69,8 @@ class DerenderHandler(Handler):
         # chunk offset, request_id if the chunk finished its request); see _publish_pending.
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
-        self._refused: list[_Sent] = []  # settled with a refusal, for the next _publish_pending
-        self._answered_refused: dict[str, None] = {}  # request ids, oldest first
+        # What the producer's answers settle, refusals answered included (delivery.py).
+        self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing)
         # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
         self._chunks, self._tokens, self._results = series(CHUNKS, W), series(TOKENS, W), series(RESULTS, W)
         self._in_flight = series(IN_FLIGHT, W)
@@ -126,7 +80,7 @@ class DerenderHandler(Handler):
         self._latency = HistogramBatch(series(DERENDER_LATENCY, W))
         self._counts = [0, 0, 0]
         self._tps: dict[int, TopicPartition] = {}  # by partition: one per partition, not per chunk
-        self.published: dict[TopicPartition, OffsetTracker] = {}  # records whose results are acked
+        self.published = self.delivery.published  # records whose results are acked, by partition
         self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
 
     async def handle(self, message) -> None:
@@ -195,13 +149,14 @@ class DerenderHandler(Handler):
         """Publish the results of the chunks handled since the last call as one producer
         batch per topic partition (many single sends cost several times more:
         BENCHMARKS.md, "Throughput"), a known reply topic's too; a failure to send to a
-        reply topic fails its records' futures, answered as refused (`_answer_refused`).
+        reply topic fails its records' futures, answered as refused (delivery.py).
         Cancels go in them too (on their keys' partitions: `_outgoing`); results for a
         reply topic not known yet go one by one. Called
         every loop turn (tick), before a revoke and at shutdown, and when 500 records wait."""
         self._count()
-        if self._refused:
-            await self._answer_refused()
+        delivery = self.delivery
+        if delivery.refused:
+            await delivery.answer_refused()
         pending, self._pending, self._pending_records = self._pending, [], 0
         if not pending:
             return
@@ -212,7 +167,7 @@ class DerenderHandler(Handler):
                              if batch else ())
         # What each batch future's ack settles, with one callback per future (a producer
         # batch holds many chunks' results) rather than one per chunk.
-        by_future: dict[asyncio.Future, _Sent] = {}
+        by_future: dict[asyncio.Future, Sent] = {}
         for records, tp, offset, finished_rid in pending:
             release = self.request_start.pop(finished_rid)[1] if finished_rid in self.request_start else None
             if len(records) == 1 and batched(records[0]):
@@ -221,16 +176,16 @@ class DerenderHandler(Handler):
                 if sent is None or sent.tp != tp:
                     if sent is not None:  # (a reply topic with fewer partitions: chunk partitions share a batch)
                         acked.add_done_callback(sent.settled)
-                    sent = by_future[acked] = _Sent(self, tp, acked)
+                    sent = by_future[acked] = Sent(delivery, tp, acked)
                 sent.offsets.append(offset)
                 sent.records.append(records[0])
                 if release is not None:
                     sent.releases.append(release)
             elif records:
-                futures = [next(batch_futures) if batched(r) else await self._publish(r, tp) for r in records]
+                futures = [next(batch_futures) if batched(r) else await delivery.publish(r, tp) for r in records]
                 # Settled once every record of this chunk is: a result and a cancel go to
                 # different topics, and the cancel's ack says nothing of the result's.
-                sent = _Sent(self, tp)
+                sent = Sent(delivery, tp)
                 sent.offsets.append(offset)
                 sent.records, sent.futures = records, futures
                 if release is not None:
@@ -263,35 +218,6 @@ class DerenderHandler(Handler):
             return count > 0
         return batched
 
-    async def _answer_refused(self) -> None:
-        """The broker refused results for good (a reply topic whose `max.message.bytes` is
-        below them, one we may no longer write to): each such request gets an error result
-        on the default results topic in place of the refused one, and the chunks' holds go
-        once that is acknowledged. Without this the request got no answer and the chunk's
-        offset stayed held: the partition committed no further (docs/design.md §5.5)."""
-        refused, self._refused = self._refused, []
-        for sent in refused:
-            replacements: list[Outgoing] = []
-            for record, future in sent.futures_of_records():
-                if future.cancelled() or future.exception() is None:
-                    continue
-                exc = future.exception()
-                series(PUBLISH_REFUSED, W).inc()
-                if sent.replacing or isinstance(record.value, Cancel):
-                    log.error("request %s: %s refused %s (%r); moving on", record.key, record.topic,
-                              "the error result sent in place of a refused one: the request stays unanswered"
-                              if sent.replacing else "a cancel", exc)
-                    continue
-                replacements.extend(self._in_place_of(record, sent.tp, refusal_message(
-                    record.topic, self.results_topic, exc, self.publisher.max_record_bytes)))
-            if not replacements:
-                sent.release_all()
-                continue
-            answer = _Sent(self, sent.tp, replacing=True)
-            answer.offsets, answer.releases, answer.records = sent.offsets, sent.releases, replacements
-            answer.futures = [await self.publisher.publish(record) for record in replacements]
-            answer.when_settled()
-
     async def tick(self) -> None:
         await self.publisher.fail_records_of_deleted_topics()  # (a reply topic deleted mid-stream)
         await self._publish_pending()
@@ -315,42 +241,6 @@ class DerenderHandler(Handler):
                     continue
             checked.append(output)
         return checked
-
-    async def _publish(self, record: Outgoing, tp: TopicPartition) -> asyncio.Future:
-        """Publish; a reply topic that vanished or refuses us since it was checked gets the
-        request's error on the default topic instead. Only the deployment's own topics
-        may fail the worker: that is a broken deployment, not a bad request."""
-        try:
-            return await self.publisher.publish(record)
-        except (TopicUnavailable, KafkaError) as exc:
-            if record.topic in (self.results_topic, self.cancel_topic):
-                raise
-            replacements = self._in_place_of(record, tp, f"publishing to reply_topic {record.topic!r} failed: {exc}")
-            if not replacements:
-                answered = asyncio.get_running_loop().create_future()
-                answered.set_result(None)
-                return answered
-            futures = [await self.publisher.publish(r) for r in replacements]
-            return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-
-    def _in_place_of(self, record: Outgoing, tp: TopicPartition, message: str) -> list[Outgoing]:
-        """The records that end `record`'s request with an error on the default results
-        topic, in place of `record`, which its topic will not take; none when an earlier
-        record of the request was answered so (same batch, or sent before that was known)."""
-        rid = record.key
-        if rid in self._answered_refused:
-            log.error("request %s: %s refused a later result of a request already answered with an error; "
-                      "moving on", rid, record.topic)
-            return []
-        self._answered_refused[rid] = None
-        if len(self._answered_refused) > _ANSWERED_KEPT:
-            del self._answered_refused[next(iter(self._answered_refused))]
-        log.warning("request %s: %s; answering on %s", rid, message, self.results_topic)
-        if record.topic != self.results_topic:
-            series(REPLY_REFUSED, W).inc()
-        final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)
-        result = Result(rid, record.topic, record.value, record.headers, final)
-        return [self._outgoing(o, tp) for o in answer_on_default_topic(self.derenderer, result, message)]
 
     def _records(self, outputs: list, tp: TopicPartition, limit_of: Callable[[str], int] | None = None
                  ) -> list[Outgoing]:

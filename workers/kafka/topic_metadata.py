@@ -115,7 +115,7 @@ class TopicCounts:
         """Read `max.message.bytes` of `topics` with one DescribeConfigs request through the
         producer's own connection, bounded. A topic the broker does not describe to this
         client (ACLs) keeps no limit: its records go as before, and the broker's refusal of
-        one too large is what tells (workers/derender/worker.py `_answer_refused`)."""
+        one too large is what tells (workers/derender/delivery.py `answer_refused`)."""
         from workers.broker.topics import describe_limits_request, limits_described
 
         node = self.client.get_random_node()
