@@ -151,8 +151,8 @@ class DerenderHandler(Handler):
         BENCHMARKS.md, "Throughput"), a known reply topic's too; a failure to send to a
         reply topic fails its records' futures, answered as refused (delivery.py).
         Cancels go in them too (on their keys' partitions: `_outgoing`); results for a
-        reply topic not known yet go one by one. Called
-        every loop turn (tick), before a revoke and at shutdown, and when 500 records wait."""
+        reply topic not known yet go one by one. Called every loop turn (tick), before a
+        revoke and at shutdown, and when 500 records wait."""
         self._count()
         delivery = self.delivery
         if delivery.refused:
@@ -201,8 +201,8 @@ class DerenderHandler(Handler):
         """Whether a record goes in `_publish_pending`'s producer batches: a result (it has
         a partition) for the results topic, or for a reply topic whose partitions are known
         (one with fewer than the chunks topic: the publisher hashes the key), or a cancel
-        given its partition (`_outgoing`). Each topic is
-        looked at once a call, so the rule holds through the call."""
+        given its partition (`_outgoing`). Each topic is looked at once a call, so the rule
+        holds through the call."""
         results_topic, publisher = self.results_topic, self.publisher
         counts: dict[str, int] = {}
 
