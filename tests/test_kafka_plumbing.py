@@ -135,6 +135,51 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
     assert committed[tp].offset == 3 and committed[tp].metadata == "seen"
 
 
+async def test_a_flood_of_garbage_is_all_in_the_dlq_and_the_log_shows_a_few_and_counts_the_rest(
+        kafka_settings, caplog):
+    """A producer writing garbage must not turn the worker's log into a copy of the DLQ:
+    the first copies are logged one by one, the rest counted in one line (at the latest
+    when the worker stops); every record is still in the DLQ."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="workers.kafka.publisher")
+    await create_topics(kafka_settings, partitions=1)
+    source = kafka_settings.topic("requests")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        for i in range(25):
+            await producer.send(source, b"\xc1garbage %d" % i, key=b"k%d" % i)
+        await producer.flush()
+        worker_producer = make_producer(kafka_settings)
+        await worker_producer.start()
+        publisher = Publisher(worker_producer, kafka_settings.topic("dlq"))
+        offsets = PartitionOffsets()
+        consumer_loop = ConsumerLoop(kafka_settings, source, f"{kafka_settings.topic_prefix}-group",
+                                     ForwardingHandler(kafka_settings, publisher, offsets), offsets)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
+        tp = TopicPartition(source, 0)
+        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 25 or task.done(),
+                       what="commit past all 25 records")
+        assert not task.done(), task.exception()
+        stop.set()
+        await task
+        await worker_producer.stop()
+    finally:
+        await producer.stop()
+
+    dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 25)
+    assert sorted(int(dict(r.headers)[HEADER_DLQ_OFFSET]) for r in dlq) == list(range(25))
+    assert sorted(r.value for r in dlq) == sorted(b"\xc1garbage %d" % i for i in range(25))
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.kafka.publisher"]
+    assert [line.split(":")[0] for line in lines[:10]] == [f"DLQ {source}[0]@{i}" for i in range(10)]
+    assert len(lines) == 11, lines
+    assert lines[10].startswith("15 more records copied to the DLQ in the last ")
+    assert lines[10].endswith(f"the last: DLQ {source}[0]@24: not a valid msgpack record: MessagePack data is "
+                              "malformed: invalid opcode '\\xc1' (byte 0)")
+
+
 async def test_a_dead_background_task_stops_the_worker_with_exit_1(kafka_settings, caplog):
     """A worker whose helper task died (the generate worker's cancel follower) must not run
     on half-blind: it stops, logs why, and exits 1 so a supervisor restarts it."""

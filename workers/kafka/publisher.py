@@ -20,6 +20,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 
 from workers.broker.topics import BATCH_OVERHEAD_BYTES
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
+from workers.log_digest import LogDigest
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
 from workers.kafka.topic_metadata import TopicCounts, TopicUnavailable, key_partition
@@ -64,6 +65,8 @@ class Publisher:
         # Each partition's last batch handed over, while the sender has not taken it: the
         # next records for the partition join it (`_join_queued`).
         self._open: dict[TopicPartition, tuple] = {}
+        # A line per DLQ copy, until copies come in a flood: then a count (log_digest.py).
+        self._dlq_log = LogDigest(log, logging.WARNING, "records copied to the DLQ")
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -291,7 +294,7 @@ class Publisher:
         error; cut to fit the record limit (`dlq_copy`). Whichever way the future ends, the
         record's offset may be released: a copy the broker refuses anyway is logged with
         the record's coordinates, and must not hold its partition's commits for good."""
-        log.warning("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
+        self._dlq_log.log("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
         key, value, headers = dlq_copy(message, error, self.max_record_bytes)
         future = await self._enqueue(self.dlq_topic, None, lambda: self.producer.send(
             self.dlq_topic, value, key=key, headers=headers))
@@ -343,6 +346,7 @@ class Publisher:
     async def flush(self) -> None:
         """Every record handed over is acknowledged or failed, those waiting in a lane too:
         a lane's task hands them to the producer first (genpipe replay's end)."""
+        self._dlq_log.flush()
         while self.lanes:  # (a lane may open while another empties)
             await asyncio.wait(self.lanes.tasks())
         await self.producer.flush()
@@ -367,6 +371,7 @@ class Publisher:
                                 timeout_s: float = SHUTDOWN_WAIT_S) -> bool:
         """Shutdown: `settle`. Past the time (the broker away) the pending tasks are
         cancelled, it says so and returns False; so does every later call, at once."""
+        self._dlq_log.flush()
         if self.stuck:
             return False
         pending = list(pending)
