@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from schemas.records import SamplingParams
 from workers.generate.sampler import (
+    _top_p,
     make_generator,
     make_sampling_tensors,
     process_logits,
@@ -145,6 +146,24 @@ def test_top_k_keeps_ties_at_the_kth_value():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
     out = process_logits(logits, make_sampling_tensors([SP(top_k=2)], "cpu"))
     assert torch.isfinite(out[0]).tolist() == [True, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu path", "device path"])
+def test_top_p_keeps_the_lowest_ids_of_a_tie_at_the_cut(on_host):
+    """Only values are sorted; equal values at the cut keep the lowest ids, as a stable
+    sort by (value desc, id asc) would, on the CPU's path and a device's (run here)."""
+    logits = torch.tensor([[1.0, 0.0, 1.0, 2.0, 1.0, 1.0],  # the cut falls inside the tie of ids 0, 2, 4, 5
+                           [0.5, 0.5, 0.5, 0.5, 3.0, -1.0],
+                           [1.0, 0.0, 1.0, 2.0, 1.0, 1.0],
+                           [4.0, 1.0, 0.0, 3.0, -2.0, 2.0]])  # no tie at the cut
+    params = [SP(top_p=0.6), SP(top_p=0.9), SP(), SP(top_p=0.8)]
+    x = logits.clone()
+    _top_p(x, make_sampling_tensors(params, "cpu"), on_host=on_host)
+    kept = [torch.isfinite(row).nonzero().view(-1).tolist() for row in x]
+    assert kept == [[0, 2, 3], [0, 1, 2, 4], [0, 1, 2, 3, 4, 5], [0, 3]]
+    for i, p in enumerate(params):
+        assert np.array_equal(torch.isfinite(x[i]).numpy(), ref_keep(logits[i].numpy(), top_p=p.top_p))
+    assert torch.equal(x[torch.isfinite(x)], logits[torch.isfinite(x)]), "kept values untouched"
 
 
 def test_min_p_masks_relative_to_the_max():

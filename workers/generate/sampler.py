@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,20 +116,45 @@ def _top_k(x: Tensor, st: SamplingTensors) -> None:
     x.masked_fill_(x < kth, -math.inf)
 
 
-def _top_p(x: Tensor, st: SamplingTensors) -> Tensor:
-    """Keep the smallest set of largest-probability tokens whose mass reaches top_p.
+def _top_p(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
+    """Mask, in place, all but the smallest set of largest-probability tokens whose mass
+    reaches top_p.
 
-    Descending stable sort (value desc, id asc: the order argmax and the logprob ranks
-    use), then drop every token whose mass above it is already >= top_p; the first
-    always survives. At a tie the lower id is kept, whatever the kernel or other rows.
+    In descending order of value (at a tie the lower id first: the order argmax and the
+    logprob ranks use), the tokens before the first one whose mass above it is already
+    >= top_p stay; the first token always stays. Only the values are sorted: the count
+    kept gives the last kept value, and the tokens kept are those above it and, of those
+    equal to it, the lowest ids that fill the count. A sort that also moves the ids took
+    ~30 ms a step at batch 256 on one CPU thread, ten times one of values alone
+    (BENCHMARKS.md, "Sampling on the CPU"). `on_host`: x is on the CPU (tests set it to
+    run a device's path there).
     """
-    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    vocab = x.shape[-1]
+    on_host = x.device.type == "cpu" if on_host is None else on_host
+    sorted_x = _sorted_values_descending(x, on_host)
     probs = sorted_x.softmax(dim=-1)
     above = probs.cumsum(dim=-1) - probs  # exclusive prefix: mass of strictly earlier tokens
-    drop = above >= st.top_p.view(-1, 1)
-    drop[:, 0] = False
-    drop &= (st.top_p < 1.0).view(-1, 1)  # disabled rows untouched, even 0-mass tails
-    return x.scatter(-1, order, sorted_x.masked_fill(drop, -math.inf))
+    top_p = st.top_p.view(-1, 1)
+    # (`above` grows along the row, so a binary search finds where it reaches top_p.)
+    kept = torch.searchsorted(above, top_p).clamp_(min=1)
+    kept = torch.where(top_p < 1.0, kept, vocab)  # disabled rows untouched, even 0-mass tails
+    last = sorted_x.gather(1, kept - 1)
+    keep = x >= last
+    if not on_host or bool((keep.sum(dim=-1, keepdim=True) > kept).any()):
+        # Tokens equal to the last kept value beyond the count: the lowest ids stay. (A
+        # device would wait for the check, so there this runs every time.)
+        at_last = x == last
+        keep = (x > last) | (at_last & (at_last.cumsum(dim=-1) <= kept - (keep.sum(dim=-1, keepdim=True)
+                                                                         - at_last.sum(dim=-1, keepdim=True))))
+    x.masked_fill_(keep.logical_not_(), -math.inf)
+
+
+def _sorted_values_descending(x: Tensor, on_host: bool) -> Tensor:
+    """Each row's values, largest first. On the CPU numpy sorts values alone; torch's
+    sort always moves the indices along, and took 20x as long for [256, 2,000]."""
+    if on_host:
+        return torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
+    return x.sort(dim=-1, descending=True).values
 
 
 def _min_p(x: Tensor, st: SamplingTensors) -> None:
@@ -148,7 +174,7 @@ def process_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     if st.max_top_k > 0:
         _top_k(x, st)
     if st.any_top_p:
-        x = _top_p(x, st)
+        _top_p(x, st)
     if st.any_min_p:
         _min_p(x, st)
     return x
