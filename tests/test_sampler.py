@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from schemas.records import SamplingParams
 from workers.generate.sampler import (
+    _top_k,
     _top_p,
     make_generator,
     make_sampling_tensors,
@@ -149,6 +150,19 @@ def test_top_k_keeps_ties_at_the_kth_value():
 
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["cpu path", "device path"])
+def test_top_k_rows_of_different_k_each_keep_their_own(on_host):
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0],
+                           [0.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+                           [0.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+                           [0.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
+    x = logits.clone()
+    _top_k(x, make_sampling_tensors([SP(top_k=2), SP(top_k=4), SP(), SP(top_k=99)], "cpu"), on_host=on_host)
+    kept = [torch.isfinite(row).nonzero().view(-1).tolist() for row in x]
+    assert kept == [[0, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
+    assert torch.equal(x[torch.isfinite(x)], logits[torch.isfinite(x)]), "kept values untouched"
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu path", "device path"])
 def test_top_p_keeps_the_lowest_ids_of_a_tie_at_the_cut(on_host):
     """Only values are sorted; equal values at the cut keep the lowest ids, as a stable
     sort by (value desc, id asc) would, on the CPU's path and a device's (run here)."""
@@ -268,6 +282,20 @@ def test_seeded_rows_follow_softmax():
     toks = sample(row.expand(n, -1), make_sampling_tensors([SP(temperature=0.9)] * n, "cpu"), gens)
     counts = np.bincount(toks.numpy(), minlength=6)
     assert chi_square(counts, ref_dist(row.numpy(), temperature=0.9)) < 30
+
+
+def test_draws_at_the_ends_of_the_uniform_range_never_pick_a_masked_token(monkeypatch):
+    """The race is argmin(probs / log u). u = 1 (log u = 0) would make a masked token's
+    0/0 NaN, which argmin takes; u = 0 (log u = -inf) only makes its token lose."""
+    from workers.generate import sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [2.0, 1.0, 0.5, 0.0]])
+    st_ = make_sampling_tensors([SP(top_k=2), SP(top_k=2)], "cpu")  # ids 2 and 3 masked
+    monkeypatch.setattr(sampler, "_log_uniform", lambda *a: torch.tensor([[-0.5, -0.1, 0.0, 0.0],
+                                                                           [-math.inf, -2.0, 0.0, -1.0]]))
+    # row 0: id 0's p/q = p0/0.5 against id 1's p1/0.1, ~0.73/0.5 < ~0.27/0.1: id 1 wins the race
+    # row 1: id 0 drew u = 0 (q = inf) and cannot win; id 1 can
+    assert sample(logits, st_, [None, None]).tolist() == [1, 1]
 
 
 # --- properties ----------------------------------------------------------------------

@@ -13,9 +13,10 @@ draw alike; `B:k:seeded`: the same, each request with its own seed) on an engine
 max_batch B over a tiny Llama with random weights (ops/bench/random_model.py's `tiny`:
 the forward is small, so the host work is most of a step), and steps it to the end.
 Timed, on the stepping thread's CPU clock (one torch thread): each step minus its
-`runner.execute` (the forward). On the CPU that host figure also holds sampling's own
-arithmetic (argmax over B x 2,000 logits), the same on both sides. Both sides must
-sample the same ids (the digest).
+`runner.execute` (the forward; printed too, from the last run). On the CPU that host
+figure also holds sampling's own arithmetic (argmax over B x 2,000 logits, a sampled
+row's top-p and random draws). Both sides must sample the same ids (the digest), unless
+--draws-may-differ (a change to the draws).
 
     python ops/bench/engine_host.py --reference REV [--workloads 256:0 64:0 256:5 256:0:sampled] [--rounds 10]
 """
@@ -83,7 +84,8 @@ def serve(args) -> None:
                 tokens += len(out.token_ids)
             steps += 1
         host = time.thread_time() - started - engine.forward_s[0]
-        print(json.dumps({"cpu_s": host, "steps": steps, "tokens": tokens, "digest": digest.hexdigest()}), flush=True)
+        print(json.dumps({"cpu_s": host, "forward_s": engine.forward_s[0], "steps": steps, "tokens": tokens,
+                          "digest": digest.hexdigest()}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["256:0", "64:0", "256:5", "256:0:sampled"],
                         metavar="B:k[:sampled|seeded]")
     parser.add_argument("--rounds", type=int, default=10, help="timed runs of each workload per side")
+    parser.add_argument("--draws-may-differ", action="store_true",
+                        help="the sides may sample different ids (a change to the sampler's draws): timed, not compared")
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -107,15 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         write_random_model("tiny", Path(tmp))
         print(f"host work per engine step, {args.reference} (ref) against this checkout (new), "
               f"{args.rounds} runs a side, ABBA")
-        print(f"{'workload':>8} {'steps':>6} {'ref ms/step':>11} {'new ms/step':>11} {'best':>6} {'paired':>7}")
+        print(f"{'workload':>8} {'steps':>6} {'ref ms/step':>11} {'new ms/step':>11} {'best':>6} {'paired':>7} "
+              f"{'forward ms/step':>15}")
 
         def row(workload: str, r: dict) -> str:
             best, steps = r["best"], r["steps"]
+            forward = f"{r['forward_s'] / steps * 1e3:>15.3f}" if "forward_s" in r else f"{'-':>15}"
             return (f"{workload:>8} {steps:>6} {best['ref'] / steps * 1e3:>11.3f} {best['new'] / steps * 1e3:>11.3f} "
-                    f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x")
+                    f"{best['ref'] / best['new']:>5.2f}x {r['paired']:>6.2f}x {forward}")
 
         return compare(Path(__file__).resolve(), worktree(args.reference), ROOT, ["--model", tmp], args.workloads,
-                       args.rounds, row)
+                       args.rounds, row, may_differ=args.draws_may_differ)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ composition, so no step ever syncs to find out).
 
 Greedy rows (temperature < 1e-5, as in vLLM) take argmax of the logits they are given
 and ignore top-k/top-p/min-p (vLLM resets them for greedy requests). Other rows use
-the exponential race: argmax(probs / q) with q ~ Exp(1) is an exact draw from probs,
-and q for a seeded row comes from that row's own torch.Generator, one [V] draw per
-step, so a seeded request gets the same tokens alone or in any batch, at any row
-(given the same logits: the model forward itself is not bit-exact across batch sizes
-on GPU).
+the exponential race: argmax(probs / q) with q ~ Exp(1) is an exact draw from probs;
+q = -log u with u uniform, and u for a seeded row comes from that row's own
+torch.Generator, one [V] draw per step, so a seeded request gets the same tokens alone
+or in any batch, at any row (given the same logits: the model forward itself is not
+bit-exact across batch sizes on GPU), with the same code (the draws are not promised
+across versions: they changed once, for speed).
 
 Engine usage, one decode step:
 
@@ -105,11 +106,13 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return g
 
 
-def _top_k(x: Tensor, st: SamplingTensors) -> None:
-    """Mask, in place, entries below each row's k-th largest value (ties at k kept)."""
+def _top_k(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
+    """Mask, in place, entries below each row's k-th largest value (ties at k kept).
+    `on_host`: x is on the CPU (tests set it to run a device's path there)."""
     vocab = x.shape[-1]
     k_max = min(st.max_top_k, vocab)
-    values = x.topk(k_max, dim=-1, sorted=True).values  # one topk for the whole batch
+    on_host = x.device.type == "cpu" if on_host is None else on_host
+    values = _largest_values(x, k_max, on_host)  # one lookup for the whole batch
     k = st.top_k.clamp(max=vocab)
     kth = values.gather(1, (k - 1).clamp(min=0).view(-1, 1))
     kth = kth.masked_fill((k <= 0).view(-1, 1), -math.inf)  # disabled rows: keep all
@@ -124,14 +127,12 @@ def _top_p(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
     logprob ranks use), the tokens before the first one whose mass above it is already
     >= top_p stay; the first token always stays. Only the values are sorted: the count
     kept gives the last kept value, and the tokens kept are those above it and, of those
-    equal to it, the lowest ids that fill the count. A sort that also moves the ids took
-    ~30 ms a step at batch 256 on one CPU thread, ten times one of values alone
-    (BENCHMARKS.md, "Sampling on the CPU"). `on_host`: x is on the CPU (tests set it to
-    run a device's path there).
+    equal to it, the lowest ids that fill the count (`_largest_values`). `on_host`: x is
+    on the CPU (tests set it to run a device's path there).
     """
     vocab = x.shape[-1]
     on_host = x.device.type == "cpu" if on_host is None else on_host
-    sorted_x = _sorted_values_descending(x, on_host)
+    sorted_x = _largest_values(x, vocab, on_host)
     probs = sorted_x.softmax(dim=-1)
     above = probs.cumsum(dim=-1) - probs  # exclusive prefix: mass of strictly earlier tokens
     top_p = st.top_p.view(-1, 1)
@@ -149,12 +150,17 @@ def _top_p(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
     x.masked_fill_(keep.logical_not_(), -math.inf)
 
 
-def _sorted_values_descending(x: Tensor, on_host: bool) -> Tensor:
-    """Each row's values, largest first. On the CPU numpy sorts values alone; torch's
-    sort always moves the indices along, and took 20x as long for [256, 2,000]."""
-    if on_host:
-        return torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
-    return x.sort(dim=-1, descending=True).values
+def _largest_values(x: Tensor, k: int, on_host: bool) -> Tensor:
+    """Each row's k largest values, largest first. On the CPU numpy finds them: torch's
+    topk and sort move the ids along, and took 5-20x as long ([256, 2,000], one thread:
+    BENCHMARKS.md, "Sampling on the CPU")."""
+    vocab = x.shape[-1]
+    if not on_host:
+        return x.sort(dim=-1, descending=True).values if k >= vocab else x.topk(k, dim=-1, sorted=True).values
+    a = x.numpy()
+    if k < vocab:
+        a = np.partition(a, vocab - k, axis=-1)[:, vocab - k:]
+    return torch.from_numpy(np.sort(a, axis=-1)[:, ::-1].copy())  # (copy: torch takes no negative strides)
 
 
 def _min_p(x: Tensor, st: SamplingTensors) -> None:
@@ -200,28 +206,31 @@ def suppress(logits: Tensor, row_token_ids: Sequence[Sequence[int]]) -> Tensor:
     return out
 
 
-def _exponential(
+def _log_uniform(
     shape: tuple[int, int], device: torch.device, sampled_rows: list[int], generators: Sequence[torch.Generator | None]
 ) -> Tensor:
-    """q ~ Exp(1) for the rows being sampled: seeded rows from their own generator.
+    """log u, u ~ U[0, 1), for the rows being sampled (-log u ~ Exp(1): the race's q):
+    seeded rows from their own generator.
 
     Each seeded row draws exactly one fresh, contiguous [V] tensor per step, so its
     stream is the same whatever the batch around it. Unseeded rows share one draw from
-    the default generator. Rows not being sampled get 1.0.
+    the default generator. Rows not being sampled get -1. Uniform draws, not torch's
+    `exponential_`: on the CPU that took 5x as long (12.5 against 2.4 ms for [256, 2,000]
+    on one thread), a third of a sampled step (BENCHMARKS.md, "Sampling on the CPU").
     """
     b, vocab = shape
     seeded = [i for i in sampled_rows if generators[i] is not None]
     unseeded = [i for i in sampled_rows if generators[i] is None]
     if len(unseeded) == b:
-        return torch.empty(shape, device=device).exponential_()
-    q = torch.ones(shape, device=device)
+        return torch.rand(shape, device=device).log_()
+    r = torch.full(shape, -1.0, device=device)
     if unseeded:
-        draw = torch.empty(len(unseeded), vocab, device=device).exponential_()
-        q.index_copy_(0, torch.tensor(unseeded, device=device), draw)
+        draw = torch.rand(len(unseeded), vocab, device=device).log_()
+        r.index_copy_(0, torch.tensor(unseeded, device=device), draw)
     if seeded:
-        draws = [torch.empty(vocab, device=device).exponential_(generator=generators[i]) for i in seeded]
-        q.index_copy_(0, torch.tensor(seeded, device=device), torch.stack(draws))
-    return q
+        draws = [torch.rand(vocab, device=device, generator=generators[i]) for i in seeded]
+        r.index_copy_(0, torch.tensor(seeded, device=device), torch.stack(draws).log_())
+    return r
 
 
 def sample(
@@ -244,10 +253,11 @@ def sample(
         return logits.argmax(dim=-1)
     x = process_logits(logits, st) if processed is None else processed.float()
     probs = x.softmax(dim=-1)
-    q = _exponential(tuple(probs.shape), probs.device, sampled_rows, generators)
-    # torch.exponential_ has returned exact 0 on some CUDA builds; 0/0 = NaN would win
-    # the argmax, so floor q at the smallest normal float.
-    drawn = probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    log_u = _log_uniform(tuple(probs.shape), probs.device, sampled_rows, generators)
+    # argmax(probs / q) with q = -log u is argmin(probs / log u). u = 1 would make log u
+    # 0 and a masked token's 0/0 NaN win; rand never gives 1, but a device's may round
+    # to it, so log u stays below 0. (u = 0: log u = -inf, and that token cannot win.)
+    drawn = probs.div_(log_u.clamp_max_(-torch.finfo(torch.float32).tiny)).argmin(dim=-1)
     if len(sampled_rows) == b:
         return drawn
     return torch.where(st.greedy, logits.argmax(dim=-1), drawn)
