@@ -140,13 +140,17 @@ def _top_p(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
     kept = torch.searchsorted(above, top_p).clamp_(min=1)
     kept = torch.where(top_p < 1.0, kept, vocab)  # disabled rows untouched, even 0-mass tails
     last = sorted_x.gather(1, kept - 1)
-    keep = x >= last
-    if not on_host or bool((keep.sum(dim=-1, keepdim=True) > kept).any()):
-        # Tokens equal to the last kept value beyond the count: the lowest ids stay. (A
+    # A tie across the cut: the first value dropped equals the last one kept.
+    tie_at_cut = (sorted_x.gather(1, kept.clamp(max=vocab - 1)) == last) & (kept < vocab)
+    if not on_host or bool(tie_at_cut.any()):
+        # Of the tokens equal to the last kept value, the lowest ids fill the count. (A
         # device would wait for the check, so there this runs every time.)
+        above_last = x > last
         at_last = x == last
-        keep = (x > last) | (at_last & (at_last.cumsum(dim=-1) <= kept - (keep.sum(dim=-1, keepdim=True)
-                                                                         - at_last.sum(dim=-1, keepdim=True))))
+        room = kept - above_last.sum(dim=-1, keepdim=True)
+        keep = above_last | (at_last & (at_last.cumsum(dim=-1) <= room))
+    else:
+        keep = x >= last
     x.masked_fill_(keep.logical_not_(), -math.inf)
 
 
