@@ -20,10 +20,10 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 
 from workers.broker.topics import BATCH_OVERHEAD_BYTES
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
-from workers.log_digest import LogDigest
 from workers.kafka.records import Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
 from workers.kafka.topic_metadata import TopicCounts, TopicUnavailable, key_partition
+from workers.log_digest import LogDigest
 
 log = logging.getLogger(__name__)
 
