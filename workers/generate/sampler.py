@@ -125,30 +125,39 @@ def _top_p(x: Tensor, st: SamplingTensors, on_host: bool | None = None) -> None:
 
     In descending order of value (at a tie the lower id first: the order argmax and the
     logprob ranks use), the tokens before the first one whose mass above it is already
-    >= top_p stay; the first token always stays. Only the values are sorted: the count
-    kept gives the last kept value, and the tokens kept are those above it and, of those
-    equal to it, the lowest ids that fill the count (`_largest_values`). `on_host`: x is
-    on the CPU (tests set it to run a device's path there).
+    >= top_p stay; the first token always stays. `on_host`: x is on the CPU (tests set it
+    to run a device's path there).
+
+    On a device: a stable sort by value that carries the ids, the mask made in sorted
+    order and scattered back. On the CPU that sort took ~30 ms a step at batch 256 on one
+    thread, so there only the values are sorted (`_largest_values`): the count kept gives
+    the last kept value, and the tokens kept are those above it and, of those equal to it,
+    the lowest ids that fill the count; the same tokens (BENCHMARKS.md, "Sampling on the
+    CPU"). (On a device that is ~2x the kernels, and a check for ties that waits for it.)
     """
-    vocab = x.shape[-1]
     on_host = x.device.type == "cpu" if on_host is None else on_host
+    top_p = st.top_p.view(-1, 1)
+    if not on_host:
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        probs = sorted_x.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1).sub_(probs) >= top_p  # mass of strictly earlier tokens
+        drop[:, 0] = False
+        drop &= top_p < 1.0  # disabled rows untouched, even 0-mass tails
+        x.scatter_(-1, order, sorted_x.masked_fill_(drop, -math.inf))
+        return
+    vocab = x.shape[-1]
     sorted_x = _largest_values(x, vocab, on_host)
     probs = sorted_x.softmax(dim=-1)
-    above = probs.cumsum(dim=-1) - probs  # exclusive prefix: mass of strictly earlier tokens
-    top_p = st.top_p.view(-1, 1)
-    # (`above` grows along the row, so a binary search finds where it reaches top_p.)
+    above = probs.cumsum(dim=-1).sub_(probs)  # mass of strictly earlier tokens: grows along the row
     kept = torch.searchsorted(above, top_p).clamp_(min=1)
     kept = torch.where(top_p < 1.0, kept, vocab)  # disabled rows untouched, even 0-mass tails
     last = sorted_x.gather(1, kept - 1)
     # A tie across the cut: the first value dropped equals the last one kept.
     tie_at_cut = (sorted_x.gather(1, kept.clamp(max=vocab - 1)) == last) & (kept < vocab)
-    if not on_host or bool(tie_at_cut.any()):
-        # Of the tokens equal to the last kept value, the lowest ids fill the count. (A
-        # device would wait for the check, so there this runs every time.)
+    if bool(tie_at_cut.any()):  # of the tokens equal to the last kept value, the lowest ids fill the count
         above_last = x > last
         at_last = x == last
-        room = kept - above_last.sum(dim=-1, keepdim=True)
-        keep = above_last | (at_last & (at_last.cumsum(dim=-1) <= room))
+        keep = above_last | (at_last & (at_last.cumsum(dim=-1) <= kept - above_last.sum(dim=-1, keepdim=True)))
     else:
         keep = x >= last
     x.masked_fill_(keep.logical_not_(), -math.inf)
