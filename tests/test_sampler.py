@@ -77,7 +77,7 @@ def test_a_batch_of_greedy_rows_sends_nothing_to_the_device():
     # The batch's composition changes on most steps, so its tensors are rebuilt often: a
     # greedy batch (the usual one) needs none of them, only argmax.
     st_ = make_sampling_tensors([SP(temperature=0.0, top_k=5, top_p=0.5)] * 3, "cpu")
-    assert st_.temperature is st_.top_p is st_.top_k is st_.log_min_p is st_.greedy is None
+    assert st_.temperature is st_.top_p is st_.top_k is st_.log_min_p is st_.sampled is None
     assert (st_.greedy_rows, st_.sampled_rows, st_.max_top_k) == ((True,) * 3, (), 0)
     logits = randn(3, 50, seed=4)
     assert torch.equal(process_logits(logits, st_), logits)
@@ -237,6 +237,31 @@ def test_seeded_row_same_alone_or_in_any_batch_position():
         front.append(sample(torch.cat([row, noise[:1]]), st_front, [g_front, None])[0].item())
     assert alone == batched == front
     assert len(set(alone)) > 5  # it really sampled
+
+
+def test_greedy_rows_in_a_batch_take_argmax_and_leave_the_sampled_rows_draws_as_they_were():
+    """A batch of greedy and sampled rows: the greedy rows take argmax, and the sampled
+    ones (their own generators or the default one) draw what they would with no greedy
+    row around; `processed` logits are taken for the sampled rows alike."""
+    sampled = [SP(temperature=0.8, top_p=0.9), SP(temperature=1.2, top_k=20, seed=7), SP(min_p=0.1)]
+    mixed = [SP(temperature=0.0), sampled[0], SP(temperature=0.0, top_k=3), sampled[1], sampled[2],
+             SP(temperature=0.0)]
+    st_mixed, st_sampled = make_sampling_tensors(mixed, "cpu"), make_sampling_tensors(sampled, "cpu")
+    for step in range(30):
+        logits = randn(6, 300, seed=3000 + step, scale=3.0)
+        logits[5, 17] = logits[5].max() + 1.0  # a greedy row whose argmax is known
+        torch.manual_seed(step)
+        alone = sample(logits[[1, 3, 4]], st_sampled, [None, make_generator(7 + step, "cpu"), None])
+        torch.manual_seed(step)
+        gens = [None, None, None, make_generator(7 + step, "cpu"), None, None]
+        together = sample(logits, st_mixed, gens)
+        assert together[[1, 3, 4]].tolist() == alone.tolist()
+        assert together[[0, 2, 5]].tolist() == logits[[0, 2, 5]].argmax(-1).tolist()
+        assert together[5].item() == 17
+        torch.manual_seed(step)
+        gens[3] = make_generator(7 + step, "cpu")
+        processed = process_logits(logits, st_mixed)
+        assert sample(logits, st_mixed, gens, processed=processed).tolist() == together.tolist()
 
 
 def test_make_generator_reproduces():

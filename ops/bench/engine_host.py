@@ -9,7 +9,8 @@ up, timed runs ABBA, the median of the pairs' ratios). A workload `B:k` queues 2
 requests at once (prompts of 4-60 ids, max_tokens 16-143 spread so that requests end
 and join on most steps, greedy, EOS ignored, `logprobs=k` when k > 0; `B:k:sampled`:
 temperature 0.8, top_p 0.95, the default generator seeded before each run, so both sides
-draw alike; `B:k:seeded`: the same, each request with its own seed) on an engine of
+draw alike; `B:k:seeded`: the same, each request with its own seed; `B:k:mixed`: every
+other request greedy, the rest sampled) on an engine of
 max_batch B over a tiny Llama with random weights (ops/bench/random_model.py's `tiny`:
 the forward is small, so the host work is most of a step), and steps it to the end.
 Timed, on the stepping thread's CPU clock (one torch thread): each step minus its
@@ -39,10 +40,13 @@ from paired import ROOT, compare, use_code, worktree  # noqa: E402  (ops/bench/p
 def requests(batch: int, k: int, how: str = "greedy") -> list:
     from schemas.records import GenerateRequest, SamplingParams
 
-    params = dict(temperature=0.0) if how == "greedy" else dict(temperature=0.8, top_p=0.95)
+    def params(i: int) -> dict:
+        greedy = how == "greedy" or (how == "mixed" and i % 2)
+        return dict(temperature=0.0) if greedy else dict(temperature=0.8, top_p=0.95)
+
     return [GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1] + [3 + (i * 7 + j) % 1990 for j in range(3 + i % 57)],
                             sampling=SamplingParams(max_tokens=16 + (i * 37) % 128, ignore_eos=True, logprobs=k or None,
-                                                    seed=i if how == "seeded" else None, **params))
+                                                    seed=i if how == "seeded" else None, **params(i)))
             for i in range(2 * batch)]
 
 
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", metavar="REV", help="the old code: a git revision (required)")
     parser.add_argument("--workloads", nargs="+", default=["256:0", "64:0", "256:5", "256:0:sampled"],
-                        metavar="B:k[:sampled|seeded]")
+                        metavar="B:k[:sampled|seeded|mixed]")
     parser.add_argument("--rounds", type=int, default=10, help="timed runs of each workload per side")
     parser.add_argument("--draws-may-differ", action="store_true",
                         help="the sides may sample different ids (a change to the sampler's draws): timed, not compared")

@@ -44,13 +44,16 @@ class SamplingTensors(NamedTuple):
     top_p: Tensor | None  # [B] float32; 1.0 = disabled
     top_k: Tensor | None  # [B] int64; 0 = disabled
     log_min_p: Tensor | None  # [B] float32; log(min_p), -inf = disabled
-    greedy: Tensor | None  # [B] bool
-    greedy_rows: tuple[bool, ...]  # the same mask on the host
+    greedy_rows: tuple[bool, ...]  # which rows are greedy (on the host)
     sampled_rows: tuple[int, ...]  # the rows that are not greedy
     max_top_k: int  # largest enabled top_k (0 if none)
     any_temperature: bool
     any_top_p: bool
     any_min_p: bool
+    # A batch with greedy rows besides sampled ones: the sampled rows' own tensors, and
+    # their rows on the device. Only those rows are processed and drawn for.
+    sampled: SamplingTensors | None = None
+    sampled_index: Tensor | None = None
 
 
 SamplingRow = tuple[float, float, float, float, float]
@@ -76,12 +79,16 @@ def make_sampling_tensors(params: Sequence[SamplingParams], device: torch.device
 
 def sampling_tensors(rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingTensors:
     """Build once per batch composition: one host→device copy for all rows, none when
-    every row is greedy."""
+    every row is greedy, two more when some are (the sampled rows' own, and their rows)."""
     greedy_rows = tuple(r[4] == 1.0 for r in rows)
     sampled_rows = tuple(i for i, greedy in enumerate(greedy_rows) if not greedy)
     if not sampled_rows:  # (greedy rows have every warper off)
-        return SamplingTensors(None, None, None, None, None, greedy_rows, (), 0, False, False, False)
+        return SamplingTensors(None, None, None, None, greedy_rows, (), 0, False, False, False)
     b = len(rows)
+    sampled = sampled_index = None
+    if len(sampled_rows) < b:
+        sampled = sampling_tensors([rows[i] for i in sampled_rows], device)
+        sampled_index = torch.tensor(sampled_rows, device=device)
     # float64 keeps any top_k exact (float32 rounds above 2^24); one copy, then views.
     packed = torch.tensor(rows, dtype=torch.float64).reshape(b, 5).t().contiguous().to(device)
     return SamplingTensors(
@@ -89,13 +96,14 @@ def sampling_tensors(rows: Sequence[SamplingRow], device: torch.device | str) ->
         top_p=packed[1].float(),
         top_k=packed[2].long(),
         log_min_p=packed[3].float(),
-        greedy=packed[4] != 0,
         greedy_rows=greedy_rows,
         sampled_rows=sampled_rows,
         max_top_k=max(int(r[2]) for r in rows),
         any_temperature=any(r[0] != 1.0 for r in rows),
         any_top_p=any(r[1] < 1.0 for r in rows),
         any_min_p=any(r[3] != -math.inf for r in rows),
+        sampled=sampled,
+        sampled_index=sampled_index,
     )
 
 
@@ -264,13 +272,15 @@ def sample(
     sampled_rows = list(st.sampled_rows)
     if not sampled_rows:
         return logits.argmax(dim=-1)
+    if st.sampled is not None:  # greedy rows too: warp and draw for the sampled rows alone
+        index = st.sampled_index
+        drawn = sample(logits.index_select(0, index), st.sampled, [generators[i] for i in sampled_rows],
+                       None if processed is None else processed.index_select(0, index))
+        return logits.argmax(dim=-1).index_copy_(0, index, drawn)
     x = process_logits(logits, st) if processed is None else processed.float()
     probs = x.softmax(dim=-1)
     log_u = _log_uniform(tuple(probs.shape), probs.device, sampled_rows, generators)
     # argmax(probs / q) with q = -log u is argmin(probs / log u). u = 1 would make log u
     # 0 and a masked token's 0/0 NaN win; rand never gives 1, but a device's may round
     # to it, so log u stays below 0. (u = 0: log u = -inf, and that token cannot win.)
-    drawn = probs.div_(log_u.clamp_max_(-torch.finfo(torch.float32).tiny)).argmin(dim=-1)
-    if len(sampled_rows) == b:
-        return drawn
-    return torch.where(st.greedy, logits.argmax(dim=-1), drawn)
+    return probs.div_(log_u.clamp_max_(-torch.finfo(torch.float32).tiny)).argmin(dim=-1)
