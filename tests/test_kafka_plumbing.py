@@ -81,6 +81,28 @@ class ForwardingHandler(Handler):
         await self.publisher.flush()
 
 
+async def forward_until_committed(settings: KafkaSettings, source: str, records: int) -> None:
+    """A consumer loop with `ForwardingHandler` over `source` (one partition) until its
+    group has committed past `records` records; then stopped, as a worker stops."""
+    worker_producer = make_producer(settings)
+    await worker_producer.start()
+    try:
+        publisher = Publisher(worker_producer, settings.topic("dlq"))
+        offsets = PartitionOffsets()
+        consumer_loop = ConsumerLoop(settings, source, f"{settings.topic_prefix}-group",
+                                     ForwardingHandler(settings, publisher, offsets), offsets)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
+        tp = TopicPartition(source, 0)
+        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == records or task.done(),
+                       what=f"commit past all {records} records")
+        assert not task.done(), task.exception()
+        stop.set()
+        await task
+    finally:
+        await worker_producer.stop()
+
+
 async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed(kafka_settings):
     await create_topics(kafka_settings, partitions=1)
     source = kafka_settings.topic("requests")
@@ -94,28 +116,12 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
         await producer.send_and_wait(source, encode(good), key=b"r-good", headers=headers_for(good))
         await producer.send_and_wait(source, b'{"request_id": 7}', key=b"k-typed")  # JSON, no headers, wrong type
 
-        worker_producer = make_producer(kafka_settings)
-        await worker_producer.start()
-        publisher = Publisher(worker_producer, kafka_settings.topic("dlq"))
-        group = f"{kafka_settings.topic_prefix}-group"
-        offsets = PartitionOffsets()
-        consumer_loop = ConsumerLoop(kafka_settings, source, group, ForwardingHandler(kafka_settings, publisher, offsets),
-                                     offsets)
-        stop = asyncio.Event()
-        task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
-
-        dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 2)
-        results = await read_topic(kafka_settings, kafka_settings.topic("results"), until=lambda r: len(r) >= 1)
-        tp = TopicPartition(source, 0)
-        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 3 or task.done(),
-                       what="commit past all 3 records")
-        assert not task.done(), task.exception()
-        stop.set()
-        await task
-        await worker_producer.stop()
+        await forward_until_committed(kafka_settings, source, 3)
     finally:
         await producer.stop()
 
+    dlq = await read_topic(kafka_settings, kafka_settings.topic("dlq"), until=lambda r: len(r) >= 2)
+    results = await read_topic(kafka_settings, kafka_settings.topic("results"), until=lambda r: len(r) >= 1)
     assert decode_message(results[0], Cancel) == good
     by_key = {r.key: r for r in dlq}
     bad = by_key[b"k-bad"]
@@ -131,7 +137,8 @@ async def test_garbage_goes_to_the_dlq_with_its_source_and_offsets_are_committed
     assert b"request_id: expected str, got int" in typed[HEADER_DLQ_ERROR]
 
     # the commit carries the handler's metadata, readable through the admin client
-    committed = await committed_offsets(kafka_settings, group, [tp])
+    tp = TopicPartition(source, 0)
+    committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-group", [tp])
     assert committed[tp].offset == 3 and committed[tp].metadata == "seen"
 
 
@@ -151,21 +158,7 @@ async def test_a_flood_of_garbage_is_all_in_the_dlq_and_the_log_shows_a_few_and_
         for i in range(25):
             await producer.send(source, b"\xc1garbage %d" % i, key=b"k%d" % i)
         await producer.flush()
-        worker_producer = make_producer(kafka_settings)
-        await worker_producer.start()
-        publisher = Publisher(worker_producer, kafka_settings.topic("dlq"))
-        offsets = PartitionOffsets()
-        consumer_loop = ConsumerLoop(kafka_settings, source, f"{kafka_settings.topic_prefix}-group",
-                                     ForwardingHandler(kafka_settings, publisher, offsets), offsets)
-        stop = asyncio.Event()
-        task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=5))
-        tp = TopicPartition(source, 0)
-        await wait_for(lambda: consumer_loop._committed.get(tp, (0,))[0] == 25 or task.done(),
-                       what="commit past all 25 records")
-        assert not task.done(), task.exception()
-        stop.set()
-        await task
-        await worker_producer.stop()
+        await forward_until_committed(kafka_settings, source, 25)
     finally:
         await producer.stop()
 
