@@ -10,9 +10,9 @@ requests at once (prompts of 4-60 ids, max_tokens 16-143 spread so that requests
 and join on most steps, greedy, EOS ignored, `logprobs=k` when k > 0; `B:k:sampled`:
 temperature 0.8, top_p 0.95, the default generator seeded before each run, so both sides
 draw alike; `B:k:seeded`: the same, each request with its own seed; `B:k:mixed`: every
-other request greedy, the rest sampled) on an engine of
-max_batch B over a tiny Llama with random weights (ops/bench/random_model.py's `tiny`:
-the forward is small, so the host work is most of a step), and steps it to the end.
+other request greedy, the rest sampled) on an engine of max_batch B over a tiny Llama
+with random weights (ops/bench/random_model.py's `tiny`: the forward is small, so the
+host work is most of a step), and steps it to the end.
 Timed, on the stepping thread's CPU clock (one torch thread): each step minus its
 `runner.execute` (the forward; printed too, from the last run). On the CPU that host
 figure also holds sampling's own arithmetic (argmax over B x 2,000 logits, a sampled
