@@ -436,6 +436,73 @@ async def test_cancel_and_deadline_end_requests_with_abort(kafka_settings, make_
     assert chunks["late"][-1].finish_reason == "abort" and chunks["late"][-1].token_ids == []
 
 
+async def test_a_flood_of_unreadable_cancels_is_counted_in_the_log_and_a_real_cancel_still_lands(
+        kafka_settings, make_topics, engine, caplog):
+    """Clients write the cancel topic, and every generate worker reads all of it: garbage
+    there is logged, not copied to the DLQ, and a flood of it must not become a line per
+    record in every worker's log; a cancel after it still ends its request."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="workers.generate.service")
+    await make_topics(kafka_settings, partitions=1)
+    long = GenerateRequest(request_id="long", prompt_token_ids=[1, 7],
+                           sampling=SamplingParams(max_tokens=None, ignore_eos=True, temperature=0))
+    stop, task = await start_worker(kafka_settings, engine, min_step_s=0.02)  # (paced: ~10 s to a full context)
+    try:
+        await produce(kafka_settings, [request_record(long)])
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                         until=lambda rs: any(decode_message(r, GenerateChunk).request_id == "long" for r in rs))
+        producer = make_producer(kafka_settings)
+        await producer.start()
+        for i in range(30):
+            await producer.send(kafka_settings.topic("cancel"), b"\xc1not a cancel %d" % i, key=b"x%d" % i)
+        cancel = Cancel(request_id="long")
+        await producer.send_and_wait(kafka_settings.topic("cancel"), encode(cancel), key=b"long",
+                                     headers=headers_for(cancel))
+        await producer.stop()
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"long"}))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    assert chunks_by_request(records)["long"][-1].finish_reason == "abort"
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.generate.service" and "cancel" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines[:10]] == [
+        f"unreadable cancel at {kafka_settings.topic('cancel')}[0]@{i}" for i in range(10)]
+    assert len(lines) == 11, lines
+    assert lines[10].startswith("20 more unreadable cancels in the last ")
+    assert f"the last: unreadable cancel at {kafka_settings.topic('cancel')}[0]@29: " in lines[10]
+
+
+async def test_copies_of_a_running_request_are_dropped_and_counted_in_the_log(kafka_settings, make_topics, engine,
+                                                                              caplog):
+    """A producer's retries (or a client's) deliver the same request again while it runs:
+    the first copy answers, once; the others are dropped, the first few logged and the
+    rest counted."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="workers.generate.worker")
+    await make_topics(kafka_settings, partitions=1)
+    dup = GenerateRequest(request_id="dup", prompt_token_ids=[1, 7],
+                          sampling=SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    stop, task = await start_worker(kafka_settings, engine, min_step_s=0.02)  # (paced: the copies arrive while it runs)
+    try:
+        await produce(kafka_settings, [request_record(dup)] * 15)
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"dup"}))
+        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
+                              TopicPartition(kafka_settings.topic("requests"), 0), 15, what="the commit past every copy")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    chunks = chunks_by_request(records)["dup"]
+    assert [c.seq for c in chunks] == list(range(len(chunks))), "one stream, not two"
+    assert sum(len(c.token_ids) for c in chunks) == 40
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.generate.worker" and "dup" in r.getMessage()]
+    assert lines[:10] == [f"request dup already running; duplicate at offset {i} dropped" for i in range(1, 11)]
+    assert len(lines) == 11, lines
+    assert lines[10].startswith("4 more duplicate requests dropped in the last ")
+    assert lines[10].endswith("the last: request dup already running; duplicate at offset 14 dropped")
+
+
 async def test_stop_finishes_in_flight_requests_within_the_grace_period(kafka_settings, make_topics, engine):
     await make_topics(kafka_settings, partitions=1)
     request = GenerateRequest(request_id="drain", prompt_token_ids=[1, 7],

@@ -25,6 +25,7 @@ from workers.kafka.publisher import MAX_RECORD_BYTES
 from workers.kafka.reply_topics import reply_topic_rule
 from workers.kafka.runtime import serve
 from workers.kafka.settings import KafkaSettings
+from workers.log_digest import LogDigest
 from workers.metrics import BATCH_SIZE, INTER_TOKEN, STEP_TIME, HistogramBatch, series
 from workers.startup import StartupError, one_line
 
@@ -235,11 +236,14 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
                                           bulk_limit=config.bulk_limit, stall=outputs.stall)
         return outputs.handler
 
+    unreadable_cancels = LogDigest(log, logging.WARNING, "unreadable cancels")  # (clients write that topic)
+
     def on_cancel(message) -> None:
         try:
             cancel = decode_message(message, Cancel)
         except RecordError as exc:  # every worker reads this topic: log, don't DLQ n copies
-            log.warning("unreadable cancel at %s[%d]@%d: %s", message.topic, message.partition, message.offset, exc)
+            unreadable_cancels.log("unreadable cancel at %s[%d]@%d: %s", message.topic, message.partition,
+                                   message.offset, exc)
             return
         outputs.handler.cancel(cancel.request_id)
 
@@ -261,3 +265,4 @@ async def run_generate_worker(settings: KafkaSettings, config: GenerateWorkerCon
     finally:
         outputs.engine.stop()
         outputs.metrics.flush()
+        unreadable_cancels.flush()

@@ -33,6 +33,7 @@ from workers.kafka.publisher import REBALANCE_WAIT_S, Publisher
 from workers.kafka.records import decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
+from workers.log_digest import LogDigest
 from workers.metrics import DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class GenerateHandler(Handler):
         self._ttft = series(TTFT, W)
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
         self.stall = stall  # the engine's progress, checked every tick (stall.py); None: not watched
+        self._duplicates = LogDigest(log, logging.WARNING, "duplicate requests dropped")  # (a producer's retries)
 
     # --- requests in ------------------------------------------------------------------
 
@@ -106,8 +108,8 @@ class GenerateHandler(Handler):
         series(REQUESTS, W, "accepted").inc()
         if request.request_id in self.inflight or request.request_id in self.waiting:
             # The same request twice at once (a producer retry): the first copy answers.
-            log.warning("request %s already running; duplicate at offset %d dropped",
-                        request.request_id, message.offset)
+            self._duplicates.log("request %s already running; duplicate at offset %d dropped",
+                                 request.request_id, message.offset)
             release()
             return
         if request.request_id in self.cancelled:
@@ -326,6 +328,7 @@ class GenerateHandler(Handler):
         them, and its metadata tells the next owner what finished beyond); the running
         ones finish if they can before `deadline`."""
         self._draining = True
+        self._duplicates.flush()
         handed_back = self.waiting.take_all()
         if handed_back:
             log.info("shutting down: %d waiting requests handed back to the partitions' next owners", len(handed_back))
