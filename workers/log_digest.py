@@ -5,7 +5,9 @@ writes garbage at 10k records/s made that 10k WARNING lines a second per worker,
 of the worker's CPU (BENCHMARKS.md, "The DLQ under a flood"), and buried every other line.
 The records themselves are in the DLQ with their coordinates and error (headers), and
 `genpipe_dlq_records_total` counts them; the log only has to say that it happens, show
-a few, and say how many more.
+a few, and say how many more. The generate worker's logs of unreadable cancels and of
+dropped copies of a running request, which a client's records can flood as well, go
+through it too (§4).
 """
 
 from __future__ import annotations
