@@ -9,7 +9,7 @@ generate-worker --engine synthetic`, the reference's from a git worktree of REV,
 not requests go to the requests topic as fast as one producer sends them: half invalid
 msgpack, half JSON without a readable request_id, so every one is copied to the DLQ. A
 run ends when the group's committed offsets reach the end of every partition. Printed per
-run: the worker's CPU over the flood (psutil) per record, the wall time from the first
+run: the worker's CPU over the flood (/proc) per record, the wall time from the first
 record sent to the last commit, the lines the worker logged, and the DLQ's record count,
 which must equal --records (else the run says LOST and the command exits 1). Then the
 medians' ratio reference / this. The sides alternate, ABBA.
@@ -27,8 +27,6 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
-
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
@@ -36,7 +34,9 @@ sys.path.insert(0, str(HERE.parent))
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
+from aiokafka.errors import KafkaError  # noqa: E402
 
+from proc_cpu import cpu_seconds  # noqa: E402  (ops/bench/proc_cpu.py)
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 
 STABLE_WAIT_S = 60.0
@@ -83,13 +83,15 @@ async def one_run(settings: KafkaSettings, code: Path, args) -> dict:
         async def stable():
             if worker.poll() is not None:
                 raise RuntimeError(f"the worker exited with {worker.returncode}")
-            described = await admin.describe_consumer_groups([group])
+            try:
+                described = await admin.describe_consumer_groups([group])
+            except KafkaError:  # (a broker just started: no group coordinator yet)
+                return False
             return described[0].groups[0][2] == "Stable"
 
         await wait_until(stable, STABLE_WAIT_S, "the worker's group stable")
         lines_before = _lines(log)
-        process = psutil.Process(worker.pid)
-        cpu_before = sum(process.cpu_times()[:2])
+        cpu_before = cpu_seconds(worker.pid)
         started = time.perf_counter()
         for i in range(args.records):
             value, headers = flood_value(i)
@@ -103,7 +105,7 @@ async def one_run(settings: KafkaSettings, code: Path, args) -> dict:
 
         await wait_until(committed, FLOOD_WAIT_S, "the group's commits past the flood")
         wall = time.perf_counter() - started
-        cpu = sum(process.cpu_times()[:2]) - cpu_before
+        cpu = cpu_seconds(worker.pid) - cpu_before
         lines = _lines(log) - lines_before
         dlq = await consumer.end_offsets([TopicPartition(settings.topic("dlq"), p) for p in range(args.partitions)])
     finally:

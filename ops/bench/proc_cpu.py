@@ -85,14 +85,21 @@ def collector_seconds(pid: int, since: float) -> float | None:
 def children(pid: int) -> list[int]:
     """The engine child(ren) of a generate worker: its children that multiprocessing's spawn
     started (workers/generate/engine_process.py), not its resource tracker nor a helper it
-    runs and that exits at once."""
+    runs and that exits at once. Found by each process's parent in /proc/<pid>/stat: the
+    kernel walks /proc/<pid>/task/*/children without a lock, and that walk could skip the
+    engine child while a sibling exited (tests/test_proc_cpu.py saw it miss, once in four
+    runs)."""
     out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return [c for c in out if _spawned(c)]
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # (gone since listed)
+            continue
+        if ppid == pid:
+            out.append(int(entry.name))
+    return [c for c in sorted(out) if _spawned(c)]
 
 
 def _spawned(pid: int) -> bool:
