@@ -86,9 +86,9 @@ def children(pid: int) -> list[int]:
     """The engine child(ren) of a generate worker: its children that multiprocessing's spawn
     started (workers/generate/engine_process.py), not its resource tracker nor a helper it
     runs and that exits at once. Found by each process's parent in /proc/<pid>/stat: the
-    kernel walks /proc/<pid>/task/*/children without a lock, and that walk could skip the
-    engine child while a sibling exited (tests/test_proc_cpu.py saw it miss, once in four
-    runs)."""
+    kernel walks /proc/<pid>/task/*/children without a lock, and that walk can skip a
+    child while a sibling exits (the likely cause of tests/test_proc_cpu.py finding no
+    engine child once in four CI runs)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
