@@ -227,31 +227,27 @@ def suppress(logits: Tensor, row_token_ids: Sequence[Sequence[int]]) -> Tensor:
     return out
 
 
-def _log_uniform(
-    shape: tuple[int, int], device: torch.device, sampled_rows: list[int], generators: Sequence[torch.Generator | None]
-) -> Tensor:
-    """log u, u ~ U[0, 1), for the rows being sampled (-log u ~ Exp(1): the race's q):
-    seeded rows from their own generator.
+def _log_uniform(shape: tuple[int, int], device: torch.device, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """log u, u ~ U[0, 1), a row per generator (-log u ~ Exp(1): the race's q): seeded
+    rows from their own generator.
 
     Each seeded row draws exactly one fresh, contiguous [V] tensor per step, so its
     stream is the same whatever the batch around it. Unseeded rows share one draw from
-    the default generator. Rows not being sampled get -1. Uniform draws, not torch's
-    `exponential_`: on the CPU that took 5x as long (12.5 against 2.4 ms for [256, 2,000]
-    on one thread), a third of a sampled step (BENCHMARKS.md, "Sampling on the CPU").
+    the default generator. Uniform draws, not torch's `exponential_`: on the CPU that took
+    5x as long (12.5 against 2.4 ms for [256, 2,000] on one thread), a third of a sampled
+    step (BENCHMARKS.md, "Sampling on the CPU").
     """
     b, vocab = shape
-    seeded = [i for i in sampled_rows if generators[i] is not None]
-    unseeded = [i for i in sampled_rows if generators[i] is None]
-    if len(unseeded) == b:
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
         return torch.rand(shape, device=device).log_()
-    r = torch.full(shape, -1.0, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    r = torch.empty(shape, device=device)
     if unseeded:
         draw = torch.rand(len(unseeded), vocab, device=device).log_()
         r.index_copy_(0, torch.tensor(unseeded, device=device), draw)
-    if seeded:
-        draws = [torch.rand(vocab, device=device, generator=generators[i]) for i in seeded]
-        r.index_copy_(0, torch.tensor(seeded, device=device), torch.stack(draws).log_())
-    return r
+    draws = [torch.rand(vocab, device=device, generator=generators[i]) for i in seeded]
+    return r.index_copy_(0, torch.tensor(seeded, device=device), torch.stack(draws).log_())
 
 
 def sample(
@@ -269,17 +265,16 @@ def sample(
     b = logits.shape[0]
     if len(generators) != b or len(st.greedy_rows) != b:
         raise ValueError(f"batch of {b} rows, {len(generators)} generators, {len(st.greedy_rows)} params")
-    sampled_rows = list(st.sampled_rows)
-    if not sampled_rows:
+    if not st.sampled_rows:
         return logits.argmax(dim=-1)
     if st.sampled is not None:  # greedy rows too: warp and draw for the sampled rows alone
         index = st.sampled_index
-        drawn = sample(logits.index_select(0, index), st.sampled, [generators[i] for i in sampled_rows],
+        drawn = sample(logits.index_select(0, index), st.sampled, [generators[i] for i in st.sampled_rows],
                        None if processed is None else processed.index_select(0, index))
         return logits.argmax(dim=-1).index_copy_(0, index, drawn)
     x = process_logits(logits, st) if processed is None else processed.float()
     probs = x.softmax(dim=-1)
-    log_u = _log_uniform(tuple(probs.shape), probs.device, sampled_rows, generators)
+    log_u = _log_uniform(tuple(probs.shape), probs.device, generators)  # every row is sampled here
     # argmax(probs / q) with q = -log u is argmin(probs / log u). u = 1 would make log u
     # 0 and a masked token's 0/0 NaN win; rand never gives 1, but a device's may round
     # to it, so log u stays below 0. (u = 0: log u = -inf, and that token cannot win.)
