@@ -7,11 +7,16 @@ on decode (forward compatible); required fields have no default.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 SCHEMA_VERSION = 1
+
+# Every integer a client writes fits in 64 bits: JSON has no bound of its own, and a
+# 2**70 that passed the rules would fail later, where the worker re-encodes the request
+# as msgpack (whose integers stop at 64 bits), with the record's offset held.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 OutputKind = Literal["chat", "completion"]
@@ -20,17 +25,17 @@ OutputKind = Literal["chat", "completion"]
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample; defaults follow vLLM's SamplingParams."""
 
-    max_tokens: int | None = 16  # None: until the model's context is full
-    min_tokens: int = 0
+    max_tokens: Int64 | None = 16  # None: until the model's context is full
+    min_tokens: Int64 = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: Int64 = 0  # 0 or -1: disabled
     min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: Int64 | None = None
+    stop_token_ids: list[Int64] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None, -1 (whole vocabulary) or 0..max_logprobs
-    prompt_logprobs: int | None = None
+    logprobs: Int64 | None = None  # None, -1 (whole vocabulary) or 0..max_logprobs
+    prompt_logprobs: Int64 | None = None
 
 
 class OutputOptions(msgspec.Struct, kw_only=True):
@@ -43,28 +48,28 @@ class OutputOptions(msgspec.Struct, kw_only=True):
     # streaming with include_usage (vLLM's continuous_usage_stats): every result carries the
     # usage so far, not only the last
     continuous_usage: bool = False
-    top_logprobs: int = 0  # user-facing k (docs/design.md §5.4)
+    top_logprobs: Int64 = 0  # user-facing k (docs/design.md §5.4)
     stop: list[str] = msgspec.field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    created: int | None = None  # unix seconds; derender fills it in when absent
+    created: Int64 | None = None  # unix seconds; derender fills it in when absent
     echo: bool = False  # completions: the prompt's text (and logprobs) in front of the output
     # vLLM's `prompt_logprobs` field in non-streamed results, with this many top candidates
     # per prompt position (sampling.prompt_logprobs must ask for at least as many). UNSET:
     # no field (and nothing in the record: requests written before it read the same).
-    prompt_logprobs: int | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: Int64 | msgspec.UnsetType = msgspec.UNSET
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """Topic `<prefix>.requests`, key = request_id."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[Int64]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     reply_topic: str | None = None
-    deadline_ms: int | None = None  # epoch milliseconds
-    priority: int = 0
+    deadline_ms: Int64 | None = None  # epoch milliseconds
+    priority: Int64 = 0
 
 
 # --- integer logprobs, exactly the shape of vLLM PR #58181 -------------------------

@@ -16,6 +16,14 @@ from schemas.records import GenerateRequest, OutputOptions, SamplingParams
 
 DEFAULT_MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LENGTH = 256
+# Stop strings are matched against every token's text in the derender's one event loop:
+# 100,000 of them cost it ~18 ms a token. 16 (the gateway's cap too) of the longest take
+# ~30 µs a token (the matcher holds back len(longest) - 1 characters of the stream).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+# The sampler divides float32 logits by the temperature: past float32's largest finite
+# value it is inf, and -inf / inf (a suppressed token) is NaN, which wins every draw.
+MAX_TEMPERATURE = 3.4028234663852886e38
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _INT64_MAX = 2**63 - 1
 
@@ -67,8 +75,8 @@ def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGP
         _fail("sampling.min_tokens", f"must be >= 0, got {p.min_tokens}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         _fail("sampling.min_tokens", f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
-    if not p.temperature >= 0.0:  # also rejects NaN
-        _fail("sampling.temperature", f"must be >= 0, got {p.temperature}")
+    if not 0.0 <= p.temperature <= MAX_TEMPERATURE:  # also rejects NaN
+        _fail("sampling.temperature", f"must be a finite number >= 0, got {p.temperature}")
     if not 0.0 < p.top_p <= 1.0:
         _fail("sampling.top_p", f"must be in (0, 1], got {p.top_p}")
     if p.top_k < -1:
@@ -92,9 +100,11 @@ def validate_output(o: OutputOptions, *, max_logprobs: int = DEFAULT_MAX_LOGPROB
     if k is not msgspec.UNSET and (k < 0 or (max_logprobs >= 0 and k > max_logprobs)):
         cap = "any count >= 0" if max_logprobs < 0 else f"0..{max_logprobs}"
         _fail("output.prompt_logprobs", f"must be {cap}, got {k}")
+    if len(o.stop) > MAX_STOP_STRINGS:
+        _fail("output.stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(o.stop)}")
     for i, s in enumerate(o.stop):
-        if s == "":
-            _fail(f"output.stop[{i}]", "must be a non-empty string")
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            _fail(f"output.stop[{i}]", f"must be a string of 1..{MAX_STOP_CHARS} characters, got {len(s)}")
 
 
 def _out_of_vocab(tid: int, vocab_size: int | None) -> str:

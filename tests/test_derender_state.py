@@ -8,7 +8,7 @@ import pytest
 from tests.derender_support import (cancels, encode_ids, make_chunks, openai_validate, position, results, run_chunks,
                               streamed_text, tables_for)
 from schemas.openai import ErrorResponse
-from schemas.records import ChunkError, GenerateChunk, GenerateLogProb, OutputOptions
+from schemas.records import ChunkError, GenerateChunk, GenerateLogProb, GenerateLogProbsContent, OutputOptions
 from workers.derender.state import CancelRequest, Derenderer, Result, check_chunk
 
 STREAM = OutputOptions(kind="completion", stream=True)
@@ -322,3 +322,51 @@ def test_echo_ids_out_of_vocabulary_are_a_bad_chunk(d, tables):
                       output=OutputOptions(kind="completion", echo=True))
     err = only_error(d.process(c))
     assert "prompt_token_ids" in err.value.error.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where, bad", [("candidate", 10**6), ("candidate", -3), ("entry", 10**6)])
+def test_prompt_logprobs_ids_out_of_vocabulary_are_a_bad_chunk_not_a_crash(d, tables, stream, where, bad):
+    """An echo chunk's prompt position naming an id past the vocabulary raised IndexError
+    (the derender stopped, and so did each next owner of the partition); a negative one
+    rendered some token from the end of the vocabulary. Both are a rule error now."""
+    prompt = encode_ids(tables, " Once upon")
+    good = GenerateLogProb(prompt[1], -1.5, 1)
+    entry = GenerateLogProbsContent(token_id=prompt[1], logprob=-1.5, rank=1, top_logprobs=[good])
+    if where == "candidate":
+        entry.top_logprobs = [GenerateLogProb(bad, -0.5, 1), good]
+    else:
+        entry.token_id = bad
+    c = GenerateChunk(request_id="bad-plp", attempt="a", seq=0, finish_reason="length", prompt_token_ids=prompt,
+                      prompt_logprobs=[None, entry] + [None] * (len(prompt) - 2),
+                      output=OutputOptions(kind="completion", echo=True, top_logprobs=1, stream=stream))
+    err = only_error(d.process(c))
+    assert f"prompt_logprobs[1] holds id {bad}, out of vocabulary" in err.value.error.message
+    assert not d.is_active("bad-plp") and d.stats.render_failures == 0
+
+
+def test_a_chunk_that_fails_to_render_ends_its_request_with_an_error_and_the_next_goes_on(d, tables, monkeypatch,
+                                                                                          caplog):
+    """A failure no rule foresaw (here: the text step raising) ends that request with an
+    error result and a cancel to generate, logged with its traceback; the derender goes
+    on with the next request, and the failed one's state is gone."""
+    cs = chunks_for(tables, rid="boom")
+    real = Derenderer._text
+
+    def text(self, req, chunk):
+        if chunk.request_id == "boom" and chunk.seq == 1:
+            raise KeyError("a bug")
+        return real(self, req, chunk)
+    monkeypatch.setattr(Derenderer, "_text", text)
+    first = run_chunks(d, cs[:1])
+    with caplog.at_level("ERROR", logger="workers.derender.state"):
+        out = d.process(cs[1])
+    err = only_error(out)
+    assert "could not be rendered (KeyError('a bug'))" in err.value.error.message
+    assert [c.request_id for c in cancels(out)] == ["boom"]
+    assert "Traceback" in caplog.text and "'boom'" in caplog.text
+    assert d.stats.render_failures == 1 and not d.is_active("boom") and d.is_finished("boom")
+    assert run_chunks(d, cs[2:]) == []  # its later chunks: dropped, the request is finished
+    assert len(results(first)) == 1
+    ok = run_chunks(d, chunks_for(tables, rid="next"))
+    assert streamed_text(ok) == " one two three" and results(ok)[-1].final

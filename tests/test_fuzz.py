@@ -22,8 +22,8 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import NewTopic
 
-from schemas import (JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, GenerateRequest, OutputOptions,
-                     SamplingParams, encode, headers_for)
+from schemas import (JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, GenerateLogProb, GenerateLogProbsContent,
+                     GenerateRequest, OutputOptions, SamplingParams, encode, headers_for)
 from tests.kafka_helpers import committed_offsets, read_topic, read_to_end
 from workers.client import decode_result
 from workers.derender.service import DerenderWorkerConfig, run_derender_worker
@@ -189,7 +189,46 @@ def build_plan(prefix: str, rng: random.Random) -> tuple[Plan, dict[str, Generat
         else:
             plan.add("cancel", f"c-{n}", _json({"request_id": ["x"]}), jh, "none", None, "wrong type")
 
-    makers = [bad_request] * BAD_REQUESTS + [bad_chunk] * BAD_CHUNKS + [bad_cancel] * BAD_CANCELS
+    deep_json = b"[" * 5000 + b"]" * 5000  # past msgspec's ~1,000 levels: once a RecursionError
+
+    def rare(n: int) -> None:
+        """Records that each stopped a worker (or held a partition's commits) once."""
+        rid = f"rare-{n}"
+        long_id = "L" * 600_000  # its answer, keyed by it and carrying it, is over the topic's 1 MB
+        body = {"request_id": rid, "prompt_token_ids": [1, 2]}
+        cases = [
+            ("requests", rid, _json(body)[:-1] + b', "junk": ' + deep_json + b"}", jh, "dlq", None,
+             "nested 5,000 deep (JSON)"),
+            ("requests", rid, b"\x82\xaarequest_id\xa1r\xa4junk" + b"\x91" * 5000 + b"\xc0", [], "dlq", None,
+             "nested 5,000 deep (msgpack)"),
+            ("requests", rid, _json({**body, "priority": 2**70}), jh, "error", rid, "integer past 64 bits"),
+            ("requests", rid, _json({**body, "deadline_ms": 2**70}), jh, "error", rid, "integer past 64 bits"),
+            ("requests", rid, _json({**body, "sampling": {"max_tokens": 2**70}}), jh, "error", rid,
+             "integer past 64 bits"),
+            ("requests", rid, _json({**body, "output": {"created": 10**30}}), jh, "error", rid,
+             "integer past 64 bits"),
+            ("requests", rid, _json({**body, "sampling": {"temperature": 1e39}}), jh, "error", rid,
+             "temperature past float32"),
+            ("requests", rid, _json({**body, "output": {"stop": [f"s{i}" for i in range(100_000)]}}), jh, "error",
+             rid, "100,000 stop strings"),
+            ("requests", "k-long", _json({**body, "request_id": long_id}), jh, "dlq", None,
+             "request_id too long to answer"),
+            ("requests", "k-long", _json({**body, "request_id": long_id, "prompt_token_ids": "x"}), jh, "dlq", None,
+             "request_id too long to answer"),
+            ("chunks", rid, deep_json, jh, "dlq", None, "nested 5,000 deep"),
+            ("chunks", rid, encode(GenerateChunk(
+                request_id=rid, attempt="a", seq=0, token_ids=[5], finish_reason="length", prompt_token_ids=[1, 5],
+                prompt_logprobs=[None, GenerateLogProbsContent(token_id=5, logprob=-1.0, rank=1, top_logprobs=[
+                    GenerateLogProb(50_000, -0.5, 1)])],
+                output=OutputOptions(kind="completion", echo=True, top_logprobs=1))), [], "error", rid,
+             "prompt candidate out of vocabulary"),
+            ("cancel", rid, deep_json, jh, "none", None, "nested 5,000 deep"),
+            ("cancel", "k-long", encode(Cancel(request_id=long_id)), [], "none", None, "id of 600,000 characters"),
+        ]
+        role, key, value, headers, expect, request_id, kind = cases[n]
+        plan.add(role, key, value, headers, expect, request_id, kind)
+
+    makers = [bad_request] * BAD_REQUESTS + [bad_chunk] * BAD_CHUNKS + [bad_cancel] * BAD_CANCELS + [rare] * 14
     rng.shuffle(makers)
     counters: Counter = Counter()
     valid_at = sorted(rng.sample(range(len(makers)), VALID))

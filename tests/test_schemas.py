@@ -214,6 +214,19 @@ def _valid_request_json(**overrides) -> bytes:
     (b'{"prompt_token_ids": [1]}', JSON, ValidationError, "request_id is required"),
     (b'{"request_id": "r"}', JSON, ValidationError, "prompt_token_ids is required"),
     (_valid_request_json(output={"kind": "poem"}), JSON, ValidationError, "output.kind: invalid enum value 'poem'"),
+    # msgspec gives up ~1,000 levels deep, in an unknown field too: RecursionError got
+    # past every worker's except clauses and stopped it, on every restart
+    (_valid_request_json(junk=[]).replace(b"[]", b"[" * 5000 + b"]" * 5000), JSON, DecodeError,
+     "nested too deeply"),
+    (b"\x82\xaarequest_id\xa1r\xa4junk" + b"\x91" * 5000 + b"\xc0", MSGPACK, DecodeError, "nested too deeply"),
+    # JSON integers have no bound; past 64 bits the worker could not re-encode the request
+    # as msgpack, and stopped (priority, deadline_ms, max_tokens, top_k, min_tokens, created)
+    (_valid_request_json(priority=2**70), JSON, ValidationError, "priority: expected int <= 9223372036854775807"),
+    (_valid_request_json(deadline_ms=-(2**64)), JSON, ValidationError,
+     "deadline_ms: expected int >= -9223372036854775808"),
+    (_valid_request_json(sampling={"top_k": 2**64}), JSON, ValidationError, "sampling.top_k: expected int <="),
+    (_valid_request_json(output={"created": 10**30}), JSON, ValidationError, "output.created: expected int <="),
+    (_valid_request_json(prompt_token_ids=[1, 2**65]), JSON, ValidationError, "prompt_token_ids[1]: expected int <="),
 ])
 def test_undecodable_or_mistyped_requests_raise_one_clear_error(data, content_type, error, message):
     with pytest.raises(error) as info:
@@ -233,7 +246,12 @@ def test_undecodable_or_mistyped_requests_raise_one_clear_error(data, content_ty
     (dict(sampling={"prompt_logprobs": 25}), "sampling.prompt_logprobs", "must be -1 or 0..21, got 25"),
     (dict(sampling={"max_tokens": -1}), "sampling.max_tokens", "must be >= 0 (0: the prompt only, with echo / prompt_logprobs), got -1"),
     (dict(sampling={"max_tokens": 4, "min_tokens": 5}), "sampling.min_tokens", "must not exceed max_tokens"),
-    (dict(sampling={"temperature": -1}), "sampling.temperature", "must be >= 0"),
+    (dict(sampling={"temperature": -1}), "sampling.temperature", "must be a finite number >= 0, got -1"),
+    # past float32's largest value the sampler's temperature is inf: -inf / inf is NaN
+    (dict(sampling={"temperature": 1e39}), "sampling.temperature", "must be a finite number >= 0, got 1e+39"),
+    (dict(output={"stop": ["a"] * 17}), "output.stop", "may hold at most 16 strings, got 17"),
+    (dict(output={"stop": ["end", "x" * 1001]}), "output.stop[1]", "must be a string of 1..1000 characters, got 1001"),
+    (dict(output={"stop": [""]}), "output.stop[0]", "must be a string of 1..1000 characters, got 0"),
     (dict(sampling={"top_p": 0}), "sampling.top_p", "must be in (0, 1]"),
     (dict(sampling={"min_p": 1.5}), "sampling.min_p", "must be in [0, 1]"),
     (dict(sampling={"top_k": -3}), "sampling.top_k", "must be -1 or 0 (disabled)"),

@@ -33,7 +33,8 @@ class LogDigest:
         self._last: tuple[str, tuple] | None = None  # the last counted event's message and args
         self._timer: asyncio.TimerHandle | None = None
 
-    def log(self, msg: str, *args) -> None:
+    def log(self, msg: str, *args, exc_info: bool = False) -> None:
+        """`exc_info`: the lines logged in full carry the exception being handled."""
         now = self.clock()
         if now >= self._window_end:
             self.flush()
@@ -41,7 +42,7 @@ class LogDigest:
             self._logged = 0
         if self._logged < self.burst:
             self._logged += 1
-            self.logger.log(self.level, msg, *args)
+            self.logger.log(self.level, msg, *args, exc_info=exc_info)
             return
         self._held += 1
         self._last = (msg, args)

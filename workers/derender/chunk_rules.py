@@ -10,6 +10,22 @@ from schemas.records import GenerateChunk
 from schemas.validation import candidate_cap
 
 
+def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
+    """Why seq 0's prompt fields cannot be rendered (echo, prompt_logprobs), or None:
+    every id a prompt position names, the candidates' too, must index the vocabulary (one
+    past it crashed the derender; a negative one picked a token from the end)."""
+    echo, entries = chunk.prompt_token_ids, chunk.prompt_logprobs
+    if echo is not None and entries is not None and len(entries) != len(echo):
+        return f"prompt_logprobs has {len(entries)} entries for {len(echo)} prompt ids"
+    for i, entry in enumerate(entries or ()):
+        if entry is None:
+            continue
+        for e in (entry, *entry.top_logprobs):
+            if not 0 <= e.token_id < vocab_size:
+                return f"prompt_logprobs[{i}] holds id {e.token_id}, out of vocabulary (size {vocab_size})"
+    return None
+
+
 def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
                 checked_later: int = 0, kind: str = "chat") -> str | None:
     """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
@@ -34,8 +50,9 @@ def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, genera
     echo = chunk.prompt_token_ids
     if echo and chunk.finish_reason != "error" and (min(echo) < 0 or max(echo) >= vocab_size):
         return f"prompt_token_ids hold an id out of vocabulary (size {vocab_size})"
-    if echo is not None and chunk.prompt_logprobs is not None and len(chunk.prompt_logprobs) != len(echo):
-        return f"prompt_logprobs has {len(chunk.prompt_logprobs)} entries for {len(echo)} prompt ids"
+    problem = prompt_problem(chunk, vocab_size)
+    if problem is not None:
+        return problem
     lp = chunk.logprobs
     if lp is None or lp.content is None:
         return None

@@ -24,6 +24,7 @@ Rules, in the order they are applied to a chunk:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Union
 
@@ -34,11 +35,14 @@ from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.derender import shaping
-from workers.derender.chunk_rules import check_chunk
+from workers.derender.chunk_rules import check_chunk, prompt_problem
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
 from workers.derender.logprobs_step import BadChunk, chunk_logprobs
 from workers.derender.vocab import VocabTables, load_tables
+from workers.log_digest import LogDigest
+
+log = logging.getLogger(__name__)
 
 # `model` in results when the request names none; the same in the worker, file mode and
 # replay, so a replay or a file-mode run reproduces the worker's records byte for byte.
@@ -76,6 +80,7 @@ class Stats:
     dropped_unknown: int = 0
     restarts: int = 0
     rule_errors: int = 0
+    render_failures: int = 0  # chunks whose rendering raised (the request ended with an error)
     stop_matches: int = 0
 
 
@@ -137,6 +142,7 @@ class Derenderer:
         # request id -> its request record's offset; insertion-ordered: oldest evicted first
         self._finished: dict[str, int | None] = {}
         self.stats = Stats()
+        self.render_failures = LogDigest(log, logging.ERROR, "chunks that could not be rendered")
 
     # --- what the Kafka layer needs --------------------------------------------------
     def active_requests(self) -> list[str]:
@@ -176,6 +182,21 @@ class Derenderer:
 
     # --- the state machine -----------------------------------------------------------
     def process(self, chunk: GenerateChunk) -> list[Output]:
+        """The outputs of one chunk. A chunk the rules below let through and rendering
+        still fails on (a rule missing: a prompt candidate past the vocabulary once
+        raised IndexError here, and stopped every derender that read it, over and over)
+        ends its request with an error result, logged with its traceback: one request
+        lost, not the partition."""
+        try:
+            return self._process(chunk)
+        except Exception as exc:
+            rid = chunk.request_id
+            self.stats.render_failures += 1
+            self.render_failures.log("request %r: chunk seq %s of attempt %r could not be rendered; the request ends "
+                                 "with an error", rid, chunk.seq, chunk.attempt, exc_info=True)
+            return self._fail(rid, self._active.get(rid), chunk, f"could not be rendered ({exc!r})")
+
+    def _process(self, chunk: GenerateChunk) -> list[Output]:
         self.stats.chunks += 1
         rid = chunk.request_id
         if rid in self._finished:
@@ -242,7 +263,7 @@ class Derenderer:
             chat=opts.kind == "chat", stream=opts.stream, k=max(0, opts.top_logprobs))
         echo = chunk.prompt_token_ids
         aligned = echo is not None and all(0 <= t < self.tables.size for t in echo) and (
-            chunk.prompt_logprobs is None or len(chunk.prompt_logprobs) == len(echo))
+            prompt_problem(chunk, self.tables.size) is None)
         if (opts.prompt_logprobs is not msgspec.UNSET and not req.stream and aligned
                 and chunk.prompt_logprobs is not None):
             req.prompt_lp = shaping.prompt_logprobs(echo, chunk.prompt_logprobs, max(0, opts.prompt_logprobs),

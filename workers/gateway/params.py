@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.validation import MAX_STOP_STRINGS
+
 # Parameters with a meaning genpipe does not implement: refused by name rather than
 # silently ignored (a caller relying on them would get different output).
 UNSUPPORTED = {
@@ -160,9 +162,9 @@ def _stop(value: Any) -> list[str]:
         return []
     if isinstance(value, str):
         return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= MAX_STOP_STRINGS:
         return list(value)
-    raise BadParameter("stop", "stop must be a string or a list of at most 16 strings")
+    raise BadParameter("stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
 
 
 def _ids(value: Any, param: str) -> list[int]:

@@ -157,8 +157,18 @@ class PublishSteps:
 
     async def _end_refused(self, record: Outgoing, state: InFlight) -> None:
         """Whatever the broker says to the error chunk, the request's offset goes (refused
-        too, the publisher logs it, and the derender ends the request at its timeout)."""
-        release_when_settled(await self.publisher.publish(record), state.release)
+        too, the publisher logs it, and the derender ends the request at its timeout).
+        So does it when the producer will not take the chunk at all (a record over its
+        max_request_size raises at once): held, the offset would stop its partition's
+        commits for good."""
+        try:
+            future = await self.publisher.publish(record)
+        except Exception as exc:  # (KafkaError, TopicUnavailable: nothing was sent)
+            log.error("request %s: its error chunk could not be sent either (%r); its offset is released",
+                      state.request.request_id, exc)
+            state.release()
+            return
+        release_when_settled(future, state.release)
 
     def _tune(self, policy: ChunkPolicy) -> None:
         """Tell the engine's token holder what only this side knows, when it changes."""

@@ -21,6 +21,7 @@ import msgspec
 from aiokafka import TopicPartition
 
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
+from schemas.validation import MAX_REQUEST_ID_LENGTH
 from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
 from workers.generate.outputs import StepOutputs
@@ -37,6 +38,17 @@ from workers.log_digest import LogDigest
 from workers.metrics import DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
+
+# A request whose id breaks the rules (1..MAX_REQUEST_ID_LENGTH characters) is answered
+# with an error keyed by that id, up to this length; a longer one goes to the DLQ: the
+# answer carries the id twice (key and value), and at ~0.5M characters no longer fits a
+# record (its offset was held for good; the client keys its reads by the id it sent).
+ANSWERABLE_ID_CHARS = 16 * MAX_REQUEST_ID_LENGTH
+
+
+def _unanswerable(request_id: str, exc: ValidationError | None = None) -> str:
+    return (f"request_id of {len(request_id)} characters (the rule: 1..{MAX_REQUEST_ID_LENGTH}) is too long "
+            f"to key an answer by" + (f"; also: {exc}" if exc is not None else ""))
 
 
 class GenerateHandler(Handler):
@@ -91,12 +103,17 @@ class GenerateHandler(Handler):
             request_id = peek_request_id(message.value, message.headers)
             if request_id is None:  # nobody to answer: keep the bytes for an operator
                 await self._to_dlq(message, release, f"invalid request without a readable request_id: {exc}")
+            elif len(request_id) > ANSWERABLE_ID_CHARS:
+                await self._to_dlq(message, release, _unanswerable(request_id, exc))
             else:
                 await self._reject(InFlight(GenerateRequest(request_id=request_id, prompt_token_ids=[]), tp,
                                             message.offset, release), str(exc))
             return
         except DecodeError as exc:
             await self._to_dlq(message, release, str(exc))
+            return
+        if len(request.request_id) > ANSWERABLE_ID_CHARS:
+            await self._to_dlq(message, release, _unanswerable(request.request_id))
             return
         state = InFlight(request, tp, message.offset, release)
         if request.reply_topic is not None:
@@ -229,6 +246,8 @@ class GenerateHandler(Handler):
     # --- cancels, deadlines, timers -------------------------------------------------------
 
     def cancel(self, request_id: str) -> None:
+        if not 1 <= len(request_id) <= MAX_REQUEST_ID_LENGTH:
+            return  # no request with that id ever runs; remembering it would cost its size
         self.cancelled[request_id] = time.monotonic()
         if len(self.cancelled) > 100_000:  # forget the oldest half
             for key in list(self.cancelled)[:50_000]:
