@@ -432,6 +432,51 @@ async def test_records_published_while_their_partitions_batch_waits_for_the_send
     assert [decode_message(r, Cancel).request_id for r in records] == ["a", "b", "c"]
 
 
+class WaitingHandler(Handler):
+    """Holds each record, as a worker does, but for the record b"wait" only after waiting
+    on `go` first (as the derender waits on a reply topic's lookup)."""
+
+    def __init__(self, offsets):
+        self.offsets, self.go, self.waiting, self.handled = offsets, asyncio.Event(), False, []
+
+    async def handle(self, message):
+        if message.value == b"wait":
+            self.waiting = True
+            await self.go.wait()
+        release = self.offsets.hold(message)
+        self.handled.append(message.value)
+        release()
+
+
+async def test_a_commit_while_a_record_is_being_handled_stops_before_that_record(kafka_settings):
+    """The loop had marked a record read before its handler ran: a commit while the
+    handler waited (the periodic one, a revoke's: the same call) went past it, and a
+    worker that then died or lost the partition never did its work (the derender lost a
+    request's first chunk so, and with it every later one)."""
+    await create_topics(kafka_settings, partitions=1)
+    source = kafka_settings.topic("requests")
+    await produce_in_one_batch(kafka_settings, source, {0: [b"a", b"b", b"wait", b"c"]})
+    group = f"{kafka_settings.topic_prefix}-handling"
+    offsets = PartitionOffsets()
+    handler = WaitingHandler(offsets)
+    consumer_loop = ConsumerLoop(kafka_settings, source, group, handler, offsets, commit_interval_s=3600)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(consumer_loop.run(stop, grace_s=1))
+    tp = TopicPartition(source, 0)
+    try:
+        await wait_for(lambda: handler.waiting or task.done(), what="the handler waiting on record 2")
+        await consumer_loop.commit()
+        assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 2  # not past "wait"
+        handler.go.set()
+        await wait_for(lambda: len(handler.handled) == 4 or task.done(), what="every record handled")
+        await consumer_loop.commit()
+        assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 4
+        assert not task.done(), task.exception()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
 async def produce_in_one_batch(settings, topic: str, values: dict[int, list[bytes]]) -> None:
     """Each partition's values as one producer batch, so that a poll can return them all."""
     producer = make_producer(settings)

@@ -134,3 +134,71 @@ def test_a_dlq_copy_over_the_limit_is_cut_to_fit_and_says_what_the_original_held
     # no key, no value: still a copy with its coordinates
     key, value, headers = dlq_copy(_Refused(None, None, [("x", b"h" * 5000)]), "bad", 2000)
     assert key is None and value is None and _size(key, value, headers) <= 2000
+
+
+# --- the record being handled, holds after a revoke, and the heap under a stuck hold ------
+
+from aiokafka import TopicPartition  # noqa: E402
+
+from workers.kafka.offsets import PartitionOffsets  # noqa: E402
+
+
+def test_the_record_being_handled_is_not_committed_past():
+    """A handler that waits (a reply topic's lookup) before it holds its record: a commit
+    in between (the periodic one, a revoke's) must not pass the record."""
+    t = OffsetTracker()
+    for offset in range(5):
+        t.seen(offset)
+    t.hold(1)
+    t.handling = 4
+    assert t.committable() == 1  # a lower hold still decides
+    t.release(1)
+    assert t.committable() == 4
+    t.handling = None
+    assert t.committable() == 5
+    fresh = OffsetTracker()
+    fresh.seen(0)
+    fresh.handling = 0
+    assert fresh.committable() == 0
+
+
+class _Message:
+    def __init__(self, partition, offset, topic="t"):
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
+def test_a_hold_on_a_partition_no_longer_owned_makes_no_tracker():
+    """Revoked while its handler waited: a tracker made by the hold would be committed with
+    the owned partitions, and the broker refuses a whole commit that names one not
+    assigned (every later commit of the worker failed)."""
+    offsets = PartitionOffsets()
+    tp = TopicPartition("t", 0)
+    offsets.tracker(tp).seen(7)
+    release = offsets.hold(_Message(0, 7))
+    assert offsets.get(tp).committable() == 7
+    offsets.drop(tp)  # revoked
+    late = offsets.hold(_Message(0, 8))
+    assert offsets.get(tp) is None and offsets.partitions() == []
+    late()
+    release()  # (a release after the revoke touches nothing either)
+    assert offsets.partitions() == []
+
+
+def test_released_offsets_do_not_pile_up_under_one_hold_that_stays():
+    t = OffsetTracker()
+    t.seen(0)
+    t.hold(0)  # stays (a result waiting for its partition's leader)
+    for offset in range(1, 100_001):
+        t.seen(offset)
+        t.hold(offset)
+        t.release(offset)
+    assert len(t._heap) <= 2 * t.held + 1024
+    assert t.committable() == 0
+    t.hold(50)
+    t.hold(99_999)
+    t.release(0)
+    assert t.committable() == 50
+    t.release(50)
+    assert t.committable() == 99_999
+    t.release(99_999)
+    assert t.committable() == 100_001

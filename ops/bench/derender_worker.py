@@ -104,18 +104,21 @@ def synthetic_chunks(vocab: int, candidates: int, requests: int, tokens: int, ch
 
 
 async def run_side(messages, tables, per_poll: int = 200):
+    from aiokafka import TopicPartition
+
     from workers.derender.state import Derenderer
     from workers.derender.worker import DerenderHandler
     from workers.kafka.offsets import PartitionOffsets
     from workers.kafka.settings import KafkaSettings
 
     sink: list = []
-    handler = DerenderHandler(KafkaSettings(topic_prefix="b"), Publisher(sink), PartitionOffsets(),
-                              Derenderer(tables))
+    offsets = PartitionOffsets()
+    handler = DerenderHandler(KafkaSettings(topic_prefix="b"), Publisher(sink), offsets, Derenderer(tables))
     msgs = [Message("b.chunks", p, o, v, h) for _, p, o, v, h in messages]
     start = time.process_time()
     for i in range(0, len(msgs), per_poll):  # as the consumer loop: a poll's records, then tick
         for m in msgs[i:i + per_poll]:
+            offsets.tracker(TopicPartition(m.topic, m.partition)).seen(m.offset)  # (the loop's tracker: holds count)
             await handler.handle(m)
         await handler.tick()
         await asyncio.sleep(0)  # the acks' callbacks

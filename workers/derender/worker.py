@@ -90,7 +90,10 @@ class DerenderHandler(Handler):
         published = self.published.get(tp)
         if published is None:
             published = self.published[tp] = OffsetTracker()
-        published.seen(message.offset)
+        # `published` sees the record once its results are held there (below): the commit
+        # metadata must not say "published" past a chunk whose handling still waits (a
+        # reply topic's lookup), or its next owner would replay it quietly and never
+        # publish them.
         try:
             chunk = decode_message(message, GenerateChunk)
         except RecordError as exc:
@@ -98,6 +101,7 @@ class DerenderHandler(Handler):
             if message.offset >= self.publish_from.get(tp, 0):
                 release = self.offsets.hold(message)
                 release_when_settled(await self.publisher.to_dlq(message, str(exc)), release)
+            published.seen(message.offset)
             return
         self._counts[0] += 1
         self._counts[1] += len(chunk.token_ids)
@@ -113,6 +117,7 @@ class DerenderHandler(Handler):
         if rid not in self.request_start and self.derenderer.is_active(rid):
             # pins the commit until the request is finished
             self.request_start[rid] = (tp, self.offsets.hold(message))
+        published.seen(message.offset)
         replaying = message.offset < self.publish_from.get(tp, 0)
         finished = rid in self.request_start and not self.derenderer.is_active(rid)
         if replaying:
@@ -295,4 +300,5 @@ class DerenderHandler(Handler):
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
 
     async def drain(self, deadline: float) -> None:
+        self.derenderer.render_failures.flush()
         await self.publisher.flush_at_shutdown([asyncio.ensure_future(self._publish_pending())])

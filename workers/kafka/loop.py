@@ -317,11 +317,14 @@ class ConsumerLoop:
                         # assignment puts it (the commit, or this worker's own offset).
                         break
                     tracker.seen(message.offset)
+                    tracker.handling = message.offset  # (not committed past while handled)
                     try:
                         await self.handler.handle(message)
                     except asyncio.CancelledError:
                         tracker.hold(message.offset)  # cut short (_stop_turn): never committed past
                         raise
+                    finally:
+                        tracker.handling = None
             await self.handler.tick()
             update_lag(self.consumer, self.offsets, self.worker)
             self._apply_backpressure()
