@@ -44,6 +44,23 @@ def test_at_equal_priority_interactive_goes_before_bulk():
     assert q.by_tier == [0, 0]
 
 
+def test_the_best_interactive_request_can_be_taken_from_behind_better_bulk_ones():
+    """Bulk's rows full: the worker takes the best interactive request, however many
+    better bulk ones wait in front of it; the bulk ones keep their place."""
+    q = WaitingQueue()
+    for i in range(3):
+        q.push(item(f"bulk-{i}", -5), tier=1)
+    q.push(item("chat-late", 0, 9_000))
+    q.push(item("chat-soon", 0, 5_000))
+    q.remove("chat-soon")  # (cancelled while waiting: a stale entry on top of the tier)
+    q.push(item("chat-urgent", -1))
+    assert q.peek_tier() == 1
+    assert q.pop(tier=0).request.request_id == "chat-urgent"
+    assert q.pop(tier=0).request.request_id == "chat-late"
+    assert q.pop(tier=0) is None and q.by_tier == [0, 3]
+    assert drain(q) == ["bulk-0", "bulk-1", "bulk-2"]
+
+
 def test_expired_leave_the_queue_and_nothing_else_does():
     q = WaitingQueue()
     q.push(item("a", 0, 1_000))

@@ -57,7 +57,10 @@ class WaitingQueue(Generic[T]):
         self.tokens = 0  # prompt tokens of the waiting requests
         self._items: dict[str, tuple[int, T, int]] = {}  # request_id -> (arrival, item, tier)
         self.by_tier = [0, 0]  # waiting requests per tier
-        self._order: list[tuple] = []  # (key, request_id, arrival)
+        # A heap per tier of (key, request_id, arrival): the best of either tier runs next,
+        # but an interactive request must be reachable behind a better bulk one that may
+        # not run (its tier's rows are full: `pop(tier=0)`).
+        self._order: tuple[list[tuple], list[tuple]] = ([], [])
         self._deadlines: list[tuple] = []  # (deadline_ms, arrival, request_id)
         self._arrivals = itertools.count()
 
@@ -81,28 +84,38 @@ class WaitingQueue(Generic[T]):
         self._items[request.request_id] = (arrival, item, tier)
         self.by_tier[tier] += 1
         self.tokens += len(request.prompt_token_ids)
-        heapq.heappush(self._order, (admission_key(request.priority, tier, request.deadline_ms, arrival),
-                                     request.request_id, arrival))
+        heapq.heappush(self._order[tier], (admission_key(request.priority, tier, request.deadline_ms, arrival),
+                                           request.request_id, arrival))
         if request.deadline_ms is not None:
             heapq.heappush(self._deadlines, (request.deadline_ms, arrival, request.request_id))
 
-    def pop(self) -> T | None:
-        """The request to run next, or None when nothing waits."""
-        while self._order:
-            _, request_id, arrival = heapq.heappop(self._order)
-            item = self._take(request_id, arrival)
-            if item is not None:
-                return item
-        return None
+    def pop(self, tier: int | None = None) -> T | None:
+        """The request to run next (of `tier` only, if given), or None when none waits."""
+        if tier is None:
+            tier = self.peek_tier()
+            if tier is None:
+                return None
+        if self._head(tier) is None:
+            return None
+        _, request_id, arrival = heapq.heappop(self._order[tier])
+        return self._take(request_id, arrival)
 
     def peek_tier(self) -> int | None:
         """The tier of the request `pop` would return (None when nothing waits)."""
-        while self._order:
-            _, request_id, arrival = self._order[0]
+        interactive, bulk = self._head(0), self._head(1)
+        if interactive is None:
+            return None if bulk is None else 1
+        return 1 if bulk is not None and bulk[0] < interactive[0] else 0
+
+    def _head(self, tier: int) -> tuple | None:
+        """The best live entry of `tier`'s heap (stale ones on top are dropped), or None."""
+        heap = self._order[tier]
+        while heap:
+            _, request_id, arrival = heap[0]
             entry = self._items.get(request_id)
             if entry is not None and entry[0] == arrival:
-                return entry[2]
-            heapq.heappop(self._order)  # stale
+                return heap[0]
+            heapq.heappop(heap)  # stale
         return None
 
     def remove(self, request_id: str) -> T | None:
@@ -135,9 +148,9 @@ class WaitingQueue(Generic[T]):
         item = entry[1]
         self.by_tier[entry[2]] -= 1
         self.tokens -= len(item.request.prompt_token_ids)
-        if len(self._order) > 2 * len(self._items) + 64:  # too many stale entries: rebuild
-            self._order = [e for e in self._order if self._items.get(e[1], (None,))[0] == e[2]]
+        if len(self._order[0]) + len(self._order[1]) > 2 * len(self._items) + 64:  # too many stale entries: rebuild
+            self._order = tuple([e for e in heap if self._items.get(e[1], (None,))[0] == e[2]] for heap in self._order)
             self._deadlines = [e for e in self._deadlines if self._items.get(e[2], (None,))[0] == e[1]]
-            heapq.heapify(self._order)
-            heapq.heapify(self._deadlines)
+            for heap in (*self._order, self._deadlines):
+                heapq.heapify(heap)
         return item

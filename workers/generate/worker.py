@@ -151,9 +151,13 @@ class GenerateHandler(Handler):
         refused = []
         while len(self.inflight) < self.max_running:
             tier = self.waiting.peek_tier()
-            if tier is None or (tier == 1 and self.bulk_running >= self.bulk_limit):
+            if tier == 1 and self.bulk_running >= self.bulk_limit:
+                # bulk's rows are full: the rows kept free go to the best interactive
+                # request, behind however many better bulk ones wait
+                tier = 0 if self.waiting.by_tier[0] else None
+            if tier is None:
                 break
-            state = self.waiting.pop()
+            state = self.waiting.pop(tier)
             try:
                 self.engine.add(state.request, validated=True)  # by `handle`
             except ValidationError as exc:  # e.g. the id is still ending in the engine
