@@ -400,6 +400,36 @@ async def test_a_dlq_that_refuses_the_copy_does_not_hold_the_partition(kafka_set
             f"the record is only at its source offset") in caplog.text
 
 
+async def test_a_dlq_that_refuses_a_flood_of_copies_logs_a_few_and_counts_the_rest(kafka_settings, make_topics,
+                                                                                    engine, caplog):
+    """A DLQ that refuses copies (its limit lowered, no write ACL) refuses a flood of
+    garbage copy by copy: the first 10 refusals are logged, the rest counted in one line
+    (at the latest when the worker stops), and no other line repeats each (there were two
+    ERROR lines a copy); the partition still commits past every record."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="workers.kafka.publisher")
+    await make_topics(kafka_settings, partitions=1)
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await set_max_message_bytes(kafka_settings, kafka_settings.topic("dlq"), 2000)
+        good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+        await produce(kafka_settings, [(b"garbage", b"\xc1" * 5000, [])] * 25 + [request_record(good)])
+        await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"good"}))
+        await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
+                              TopicPartition(kafka_settings.topic("requests"), 0), 26, what="the commit past all 26")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    requests = kafka_settings.topic("requests")
+    assert [line.split(" (")[0] for line in refused[:10]] == [
+        f"the DLQ refused the copy of {requests}[0]@{i}" for i in range(10)]
+    assert len(refused) == 11, refused
+    assert refused[10].startswith("15 more DLQ copies refused in the last ")
+    assert not [r for r in caplog.records if r.getMessage().startswith("publish failed")]
+
+
 async def _garbage_then_a_request_and_the_partition_commits_past_both(settings, garbage: bytes, headers) -> None:
     """Undecodable `garbage` then a valid request, on partition 0 of the requests topic:
     the request is answered, and the worker's group commits past both."""

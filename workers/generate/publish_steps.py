@@ -157,7 +157,8 @@ class PublishSteps:
 
     async def _end_refused(self, record: Outgoing, state: InFlight) -> None:
         """Whatever the broker says to the error chunk, the request's offset goes (refused
-        too, the publisher logs it, and the derender ends the request at its timeout).
+        too, the publisher logs it; the derender then never sees the request end, and keeps
+        its state: docs/design.md §5.5).
         So does it when the producer will not take the chunk at all (a record over its
         max_request_size raises at once): held, the offset would stop its partition's
         commits for good."""

@@ -67,6 +67,8 @@ class Publisher:
         self._open: dict[TopicPartition, tuple] = {}
         # A line per DLQ copy, until copies come in a flood: then a count (log_digest.py).
         self._dlq_log = LogDigest(log, logging.WARNING, "records copied to the DLQ")
+        # And a line per copy the DLQ refuses (no write ACL, its limit lowered): the same flood.
+        self._dlq_refused = LogDigest(log, logging.ERROR, "DLQ copies refused")
 
     def fits(self, record: Outgoing) -> bool:
         return record.size() <= self.max_record_bytes
@@ -298,8 +300,8 @@ class Publisher:
         key, value, headers = dlq_copy(message, error, self.max_record_bytes)
         future = await self._enqueue(self.dlq_topic, None, lambda: self.producer.send(
             self.dlq_topic, value, key=key, headers=headers))
-        self._track(future)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+        self._track(future, logged=True)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._dlq_refused.log(
             "the DLQ refused the copy of %s[%d]@%d (%r): the record is only at its source offset, while the "
             "topic's retention keeps it", message.topic, message.partition, message.offset, f.exception()))
         return future
@@ -330,15 +332,18 @@ class Publisher:
                             "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
                             time.monotonic() - started)
 
-    def _track(self, future: asyncio.Future, records: int = 1) -> None:
+    def _track(self, future: asyncio.Future, records: int = 1, logged: bool = False) -> None:
+        """Counted in flight until `future` ends; a failure is logged here unless `logged`
+        (the caller logs it its own way)."""
         self.in_flight += records
-        future.add_done_callback(lambda f: self._done(f, records))
+        future.add_done_callback(lambda f: self._done(f, records, logged))
 
-    def _done(self, future: asyncio.Future, records: int) -> None:
+    def _done(self, future: asyncio.Future, records: int, logged: bool = False) -> None:
         self.in_flight -= records
         if future.cancelled() or future.exception() is not None:
             self.failed += records
-            if not self.stuck:  # (a shutdown that gave up on the broker said so once: flush_at_shutdown)
+            # (a shutdown that gave up on the broker said so once: flush_at_shutdown)
+            if not self.stuck and not (logged and not future.cancelled()):
                 log.error("publish failed: %s", "cancelled" if future.cancelled() else future.exception())
         else:
             self.published += records
@@ -347,6 +352,7 @@ class Publisher:
         """Every record handed over is acknowledged or failed, those waiting in a lane too:
         a lane's task hands them to the producer first (genpipe replay's end)."""
         self._dlq_log.flush()
+        self._dlq_refused.flush()
         while self.lanes:  # (a lane may open while another empties)
             await asyncio.wait(self.lanes.tasks())
         await self.producer.flush()
@@ -372,6 +378,7 @@ class Publisher:
         """Shutdown: `settle`. Past the time (the broker away) the pending tasks are
         cancelled, it says so and returns False; so does every later call, at once."""
         self._dlq_log.flush()
+        self._dlq_refused.flush()
         if self.stuck:
             return False
         pending = list(pending)
