@@ -85,9 +85,7 @@ def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGP
         _fail("sampling.min_p", f"must be in [0, 1], got {p.min_p}")
     if p.seed is not None and not -_INT64_MAX - 1 <= p.seed <= _INT64_MAX:
         _fail("sampling.seed", "must fit in 64 bits")
-    for i, tid in enumerate(p.stop_token_ids):
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-            _fail(f"sampling.stop_token_ids[{i}]", _out_of_vocab(tid, vocab_size))
+    _check_ids("sampling.stop_token_ids", p.stop_token_ids, vocab_size)
     check_logprobs_count("sampling.logprobs", p.logprobs, max_logprobs, vocab_size)
     check_logprobs_count("sampling.prompt_logprobs", p.prompt_logprobs, max_logprobs, vocab_size)
 
@@ -107,6 +105,16 @@ def validate_output(o: OutputOptions, *, max_logprobs: int = DEFAULT_MAX_LOGPROB
             _fail(f"output.stop[{i}]", f"must be a string of 1..{MAX_STOP_CHARS} characters, got {len(s)}")
 
 
+def _check_ids(field: str, ids: list[int], vocab_size: int | None) -> None:
+    """Every id in 0..vocab_size-1: min and max first (C speed; a Python loop over a long
+    prompt was ~40 µs per 1,000 ids), the offending index only when one breaks the rule."""
+    if not ids or (min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size)):
+        return
+    for i, tid in enumerate(ids):
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            _fail(f"{field}[{i}]", _out_of_vocab(tid, vocab_size))
+
+
 def _out_of_vocab(tid: int, vocab_size: int | None) -> str:
     if tid < 0:
         return f"must be a non-negative token id, got {tid}"
@@ -120,9 +128,7 @@ def validate_request(req: GenerateRequest, *, max_logprobs: int = DEFAULT_MAX_LO
         _fail("request_id", f"must be 1..{MAX_REQUEST_ID_LENGTH} characters, got {len(req.request_id)}")
     if not req.prompt_token_ids:
         _fail("prompt_token_ids", "must be non-empty")
-    for i, tid in enumerate(req.prompt_token_ids):
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-            _fail(f"prompt_token_ids[{i}]", _out_of_vocab(tid, vocab_size))
+    _check_ids("prompt_token_ids", req.prompt_token_ids, vocab_size)
     if max_model_len is not None and len(req.prompt_token_ids) >= max_model_len:
         _fail("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens but the model's context "
                                   f"is {max_model_len}, leaving no room to generate")
