@@ -19,7 +19,7 @@ from schemas import GenerateChunk, GenerateRequest, SamplingParams, encode
 from schemas.codec import headers_for
 from tests.kafka_helpers import chunks_finished, committed_offsets, read_to_end, read_topic, wait_for
 from tests.test_generate_worker import start_worker
-from workers.kafka.clients import make_producer
+from workers.kafka.clients import make_consumer, make_producer
 from workers.kafka.offsets import FINISHED_PREFIX
 from workers.kafka.records import decode_message
 from workers.metrics import REBALANCES, series
@@ -149,6 +149,45 @@ async def test_the_rows_kept_free_of_bulk_work_take_an_interactive_request_behin
         await stop_worker(stop, task, timeout=120)
     finals = [c.request_id for c in finals_in_order(records)]
     assert finals[0] == "chat", f"a bulk request ended first: {finals[:3]}"
+
+
+async def test_a_request_stopped_and_read_again_at_once_runs_again_whole(kafka_settings, make_topics):
+    """With the round-robin assignor every rebalance stops the running requests and reads
+    their partitions again from the commit; a partition that comes back to the same worker
+    runs its request again, as a new attempt, at once. The stopped copy's last tokens and
+    its abort come back from the engine under the same request_id: they ended the new
+    attempt (finish_reason abort, a stale token), and the new copy ran on in the engine for
+    nobody. The new attempt now waits for the old one's end, and streams whole. (Steps of
+    2 s, as a long prefill makes one: the record is read again ~40 ms after the stop, well
+    inside the step; with 20 ms steps the old end was back first and this passed anyway.)"""
+    await make_topics(kafka_settings, partitions=1)
+    group = f"{kafka_settings.topic_prefix}-gen"
+    stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
+                                    synthetic_step_s=2.0, max_batch=4, assignor="roundrobin", group_id=group)
+    # A member of the same group on another topic only: the rebalance it causes hands the
+    # requests partition back to the worker (round-robin: stopped, read again).
+    other = make_consumer(kafka_settings, group_id=group, heartbeat_interval_ms=100)
+    try:
+        await send(kafka_settings, [req("long", 12)])  # ~24 s: the rebalance comes in the middle
+        await first_chunk_of(kafka_settings, ["long"])
+        await other.start()
+        other.subscribe([kafka_settings.topic("requests.bulk")])
+        deadline = time.monotonic() + 60
+        while not other.assignment():
+            assert time.monotonic() < deadline, "the other member was never assigned"
+            await other.getmany(timeout_ms=100)
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), timeout=60,
+                                   until=chunks_finished(["long"]))
+        assert not task.done(), task.exception()
+    finally:
+        await other.stop()
+        await stop_worker(stop, task)
+    chunks = [decode_message(r, GenerateChunk) for r in records]
+    assert len(attempts(records)["long"]) == 2, "the rebalance did not restart the request"
+    last = [c for c in chunks if c.attempt == chunks[-1].attempt]
+    assert [c.seq for c in last] == list(range(len(last)))
+    assert [c.token_offset for c in last] == [sum(len(c.token_ids) for c in last[:i]) for i in range(len(last))]
+    assert last[-1].finish_reason == "length" and sum(len(c.token_ids) for c in last) == 12
 
 
 async def test_a_deadline_that_passes_while_queued_aborts_before_taking_a_slot(kafka_settings, make_topics):

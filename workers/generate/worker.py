@@ -87,6 +87,13 @@ class GenerateHandler(Handler):
         self.cancelled: dict[str, float] = {}  # request_id -> when; bounded, for late arrivals
         self.stall = stall  # the engine's progress, checked every tick (stall.py); None: not watched
         self._duplicates = LogDigest(log, logging.WARNING, "duplicate requests dropped")  # (a producer's retries)
+        # Requests stopped in the engine (`_stop_running`) whose final output has not come
+        # back yet, and a new copy of the same record read meanwhile, if any: the copy waits
+        # here until the old one's final arrives. The engine's outputs are keyed by
+        # request_id: admitted at once (a partition lost and read again from its commit),
+        # the old one's held tokens and its abort ended the new copy, with stale tokens,
+        # and the new one ran on in the engine for nobody.
+        self._ending: dict[str, InFlight | None] = {}
 
     # --- requests in ------------------------------------------------------------------
 
@@ -139,6 +146,14 @@ class GenerateHandler(Handler):
             self.engine.validate(request)
         except ValidationError as exc:
             await self._reject(state, str(exc))
+            return
+        if request.request_id in self._ending:
+            if self._ending[request.request_id] is None:
+                self._ending[request.request_id] = state  # queued once the old copy's final is back
+            else:
+                self._duplicates.log("request %s already waiting for its stopped copy to end; duplicate at "
+                                     "offset %d dropped", request.request_id, message.offset)
+                release()
             return
         self.waiting.push(state, tier=1 if tp.topic == self.bulk_topic else 0)
         finals = self._admit()
@@ -211,6 +226,8 @@ class GenerateHandler(Handler):
         for out in step.others:
             state = inflight.get(out.request_id)
             if state is None:
+                if out.finish_reason is not None and out.request_id in self._ending:
+                    self._ended(out.request_id)
                 continue
             if out.token_ids:
                 if not state.pending_ids:
@@ -324,11 +341,25 @@ class GenerateHandler(Handler):
         for state in list(self.inflight.values()):
             if state.tp in lost:
                 self._stop_running(state)
+        for request_id, state in self._ending.items():
+            if state is not None and state.tp in lost:
+                self._ending[request_id] = None  # (a copy waiting for its old one: never started)
         self.waiting.take_all(keep=lambda state: state.tp not in lost)
         for tp in lost:
             self.finished_ahead.pop(tp, None)
         if not self.inflight:
             self._idle.set()
+
+    def _ended(self, request_id: str) -> None:
+        """A stopped request's final output is back: a copy read meanwhile queues now (its
+        admission follows in the caller), or ends at once if a cancel came for it."""
+        state = self._ending.pop(request_id)
+        if state is None:
+            return
+        if request_id in self.cancelled:
+            self.steps.soon([(state, Final("abort"))])
+        else:
+            self.waiting.push(state, tier=1 if state.tp.topic == self.bulk_topic else 0)
 
     def _leave(self, state: InFlight) -> None:
         del self.inflight[state.request.request_id]
@@ -337,9 +368,10 @@ class GenerateHandler(Handler):
 
     def _stop_running(self, state: InFlight) -> None:
         """Take a running request out of the worker and the engine; nothing more of it is
-        published (the engine's abort output finds no state)."""
+        published (the engine's abort output finds no state, and ends `_ending`'s wait)."""
         state.closed = True
         self._leave(state)
+        self._ending[state.request.request_id] = None
         self.engine.abort(state.request.request_id, "abort")
         series(IN_FLIGHT, W).set(len(self.inflight))
         if not self.inflight:
