@@ -477,6 +477,30 @@ async def test_a_commit_while_a_record_is_being_handled_stops_before_that_record
         await asyncio.wait_for(task, 30)
 
 
+async def test_the_committed_metadata_read_in_a_rebalance_gives_up_before_the_session_timeout(caplog):
+    """A new assignment's committed offsets are read inside aiokafka's rebalance, with the
+    member's heartbeats stopped. A broker that takes the connection and never answers
+    (here a socket that reads nothing back) held that read for the admin's 40 s request
+    timeout, past the group's 30 s session timeout; it gives up after COMMITTED_WAIT_S,
+    says so, and the partitions start without their metadata."""
+    from workers.kafka.loop import COMMITTED_WAIT_S
+
+    silent = []
+    server = await asyncio.start_server(lambda reader, writer: silent.append(writer), "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        settings = KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="silent")
+        consumer_loop = ConsumerLoop(settings, "silent.requests", "silent-group", Handler(), PartitionOffsets())
+        read = consumer_loop._committed_offsets([TopicPartition("silent.requests", 0)])
+        assert await asyncio.wait_for(read, 25) == {}  # (before: 40 s)
+        assert silent, "the admin client never connected"
+        assert f"could not read the committed offsets' metadata within {COMMITTED_WAIT_S:.0f} s" in caplog.text
+    finally:
+        for writer in silent:
+            writer.close()
+        server.close()
+
+
 async def produce_in_one_batch(settings, topic: str, values: dict[int, list[bytes]]) -> None:
     """Each partition's values as one producer batch, so that a poll can return them all."""
     producer = make_producer(settings)

@@ -32,6 +32,8 @@ from workers.metrics import REBALANCES, series, update_lag
 
 log = logging.getLogger(__name__)
 
+COMMITTED_WAIT_S = 10.0  # `_committed_offsets`: a third of the session timeout (30 s)
+
 
 class Handler:
     """A worker's logic. `handle` is the one hook every worker writes; the others default
@@ -179,15 +181,26 @@ class ConsumerLoop:
             self._commit_task = None
 
     async def _committed_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
-        # consumer.committed() drops the metadata string; the admin client returns it.
+        """The committed offsets of newly assigned partitions, with their metadata
+        (consumer.committed() drops the string; the admin client returns it). Read inside
+        aiokafka's rebalance, while the member's heartbeats are stopped: so bounded, at
+        COMMITTED_WAIT_S. A broker that did not answer held it for the admin's 40 s request
+        timeout, past the group's 30 s session timeout: the group evicted the member while
+        it went on working the partitions. Without it the partitions start without their
+        metadata, as when the read fails: work finished beyond the commit may run again
+        (the client library drops what it already has)."""
         admin = make_admin(self.settings.with_client_id(f"{self.settings.client_id}-admin"))
-        try:
+
+        async def read() -> dict[TopicPartition, OffsetAndMetadata]:
             await admin.start()
             result = await admin.list_consumer_group_offsets(self.group_id, partitions=partitions)
             return {tp: OffsetAndMetadata(om.offset, om.metadata or "")
                     for tp, om in result.items() if om is not None and om.offset >= 0}
-        except KafkaError as exc:
-            log.warning("could not read committed metadata: %s", exc)
+        try:
+            return await asyncio.wait_for(read(), COMMITTED_WAIT_S)
+        except (KafkaError, asyncio.TimeoutError) as exc:
+            log.warning("could not read the committed offsets' metadata within %.0f s (%s): the partitions start "
+                        "without it", COMMITTED_WAIT_S, exc.__class__.__name__ if not str(exc) else exc)
             return {}
         finally:
             await admin.close()
