@@ -271,3 +271,95 @@ async def test_cancels_for_stop_strings_reach_their_keys_partitions_once_each(ka
     tps = [TopicPartition(kafka_settings.topic("chunks"), p) for p in range(PARTITIONS)]
     committed = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", tps)
     assert sum(committed[tp].offset for tp in tps) == sum(len(chunks) for chunks in requests.values())
+
+
+async def _handler_on_a_loop(settings, tokenizer_dir, group: str):
+    """The derender's handler on the real consumer loop and producer, as `serve` builds
+    them, with the loop in reach (commits on demand)."""
+    from workers.derender.worker import DerenderHandler
+    from workers.kafka.loop import ConsumerLoop
+    from workers.kafka.offsets import PartitionOffsets
+    from workers.kafka.publisher import Publisher
+
+    producer = make_producer(settings)
+    await producer.start()
+    offsets = PartitionOffsets()
+    handler = DerenderHandler(settings, Publisher(producer, settings.topic("dlq")), offsets,
+                              Derenderer(str(tokenizer_dir)))
+    return producer, handler, ConsumerLoop(settings, settings.topic("chunks"), group, handler, offsets,
+                                           commit_interval_s=3600)
+
+
+async def _produce_chunks(settings, chunks) -> None:
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for chunk in chunks:
+            await producer.send_and_wait(settings.topic("chunks"), encode(chunk), key=chunk.request_id.encode(),
+                                         headers=headers_for(chunk), partition=0)
+    finally:
+        await producer.stop()
+
+
+async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_result_is_acknowledged(
+        kafka_settings, make_topics, tiny_model_dir):
+    """A request that starts and ends in one chunk (an error, max_tokens 1) took no hold:
+    once its chunk was handled the loop could commit past it, while its result still
+    waited to be published and acknowledged; a worker that died then never answered it.
+    Now the chunk stays held until the result is acknowledged."""
+    from aiokafka.structs import ConsumerRecord
+
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, "unused")
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    try:
+        (one,) = make_chunks("one", [5])
+        tracker = handler.offsets.tracker(tp)
+        await handler.on_assigned([tp], {})
+        tracker.seen(7)  # as the loop does before it hands the record over
+        await handler.handle(ConsumerRecord(tp.topic, 0, 7, 0, 0, b"one", encode(one), None, 0, 0,
+                                            list(headers_for(one))))
+        assert tracker.committable() == 7  # its result is not even handed over yet
+        await handler.tick()  # the turn's results go out
+        await wait_for(lambda: handler.publisher.published == 1, what="the result acknowledged")
+        assert tracker.committable() == 8 and handler.request_start == {}
+        assert handler.commit_metadata(tp) == "published=8"
+    finally:
+        await producer.stop()
+
+
+async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looked_up_leaves_nothing_behind(
+        kafka_settings, make_topics, tiny_model_dir):
+    """A seq-0 chunk naming a reply topic not known yet waits for its lookup (up to 5 s
+    for a missing one). A revoke then: the partition's next owner reads the chunk again,
+    so this worker publishes nothing of it and forgets the request it started (it kept
+    its state and a hold for a partition it no longer owned)."""
+    from aiokafka.structs import ConsumerRecord
+
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    group = f"{kafka_settings.topic_prefix}-der-revoked"
+    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, group)
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    try:
+        first = make_chunks("mid", [5, 6], output=OutputOptions(stream=True),
+                            reply_topic=f"{kafka_settings.topic_prefix}.reply.missing")[0]
+        message = ConsumerRecord(tp.topic, 0, 0, 0, 0, b"mid", encode(first), None, 0, 0, list(headers_for(first)))
+        handler.offsets.tracker(tp).seen(0)  # as the loop does before it hands a record over
+        await handler.on_assigned([tp], {})
+        handling = asyncio.ensure_future(handler.handle(message))
+        await wait_for(lambda: handler.derenderer.is_active("mid") or handling.done(),
+                       what="the chunk rendered, its reply topic being looked up")
+        assert not handling.done(), "the lookup did not wait"
+        # the revoke, as the loop runs it for a derender (nothing kept)
+        await handler.on_revoked([tp])
+        await handler.on_lost([tp])
+        handler.offsets.drop(tp)
+        await asyncio.wait_for(handling, 30)
+        assert not handler.derenderer.is_active("mid") and "mid" not in handler.request_start
+        assert handler.offsets.partitions() == [] and handler._pending == []
+    finally:
+        await producer.stop()

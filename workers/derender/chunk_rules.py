@@ -26,8 +26,11 @@ def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
     return None
 
 
+_UNCHECKED = object()
+
+
 def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, generated: int,
-                checked_later: int = 0, kind: str = "chat") -> str | None:
+                checked_later: int = 0, kind: str = "chat", prompt: object = _UNCHECKED) -> str | None:
     """Why `chunk` breaks the rules, or None (pure; docs/design.md §5.5 "bad chunks").
 
     `max_logprobs` is the deployment's cap on what a client asks for; a position may hold
@@ -35,6 +38,9 @@ def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, genera
 
     `checked_later`: the first n candidates of each position are range-checked by the
     chat shaping, which looks them up anyway; only the rest are checked here.
+
+    `prompt`: `prompt_problem(chunk, vocab_size)` when the caller has it already (a loop
+    over every prompt position's candidates: ~11 ms for 8,000 positions of 20).
     """
     ids = chunk.token_ids
     if chunk.token_offset != generated:
@@ -50,7 +56,7 @@ def check_chunk(chunk: GenerateChunk, vocab_size: int, max_logprobs: int, genera
     echo = chunk.prompt_token_ids
     if echo and chunk.finish_reason != "error" and (min(echo) < 0 or max(echo) >= vocab_size):
         return f"prompt_token_ids hold an id out of vocabulary (size {vocab_size})"
-    problem = prompt_problem(chunk, vocab_size)
+    problem = prompt_problem(chunk, vocab_size) if prompt is _UNCHECKED else prompt
     if problem is not None:
         return problem
     lp = chunk.logprobs

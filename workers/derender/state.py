@@ -117,6 +117,7 @@ class RequestState:
     echo_text: str = ""  # echo: the prompt's text, in front of the first result's text
     echo_lp: CompletionLogProbs | None = None  # echo, streamed: the prompt's logprobs, in the first result
     prompt_lp: list | msgspec.UnsetType = msgspec.UNSET  # not streamed: vLLM's prompt_logprobs field
+    prompt_problem: str | None = None  # seq 0's `prompt_problem`, found once (for check_chunk too)
 
 
 class Derenderer:
@@ -231,7 +232,8 @@ class Derenderer:
             return self._fail(rid, req, chunk, f"seq gap in attempt {chunk.attempt!r}: "
                               f"got seq {chunk.seq}, expected {req.next_seq}")
         problem = check_chunk(chunk, self.tables.size, self.max_logprobs, req.generated,
-                              req.k if req.chat else 0, "chat" if req.chat else "completion")
+                              req.k if req.chat else 0, "chat" if req.chat else "completion",
+                              prompt=req.prompt_problem if chunk.seq == 0 else None)
         if problem is not None:
             return self._fail(rid, req, chunk, problem)
         req.next_seq = chunk.seq + 1
@@ -262,8 +264,8 @@ class Derenderer:
             stop=StopMatcher(stops, opts.include_stop_str_in_output) if stops else None,
             chat=opts.kind == "chat", stream=opts.stream, k=max(0, opts.top_logprobs))
         echo = chunk.prompt_token_ids
-        aligned = echo is not None and all(0 <= t < self.tables.size for t in echo) and (
-            prompt_problem(chunk, self.tables.size) is None)
+        req.prompt_problem = prompt_problem(chunk, self.tables.size)  # (a loop over every candidate: once)
+        aligned = echo is not None and all(0 <= t < self.tables.size for t in echo) and req.prompt_problem is None
         if (opts.prompt_logprobs is not msgspec.UNSET and not req.stream and aligned
                 and chunk.prompt_logprobs is not None):
             req.prompt_lp = shaping.prompt_logprobs(echo, chunk.prompt_logprobs, max(0, opts.prompt_logprobs),

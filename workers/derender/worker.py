@@ -111,11 +111,20 @@ class DerenderHandler(Handler):
         for output in outputs:  # (a coroutine per chunk only when a reply topic needs checking)
             if type(output) is Result and output.reply_topic and output.reply_topic != self.results_topic:
                 outputs = await self._reply_topics_checked(outputs)
+                if self.offsets.get(tp) is None or self.published.get(tp) is not published:
+                    # Revoked (and maybe assigned again) while the lookup waited: the
+                    # partition's owner reads this chunk again (no commit passed it), so
+                    # nothing of it is published or held here, and the state it started goes.
+                    self.derenderer.forget([rid])
+                    self.request_start.pop(rid, None)
+                    return
                 limit_of = self.publisher.record_limit  # (its max.message.bytes may be lower)
                 break
         records = self._records(outputs, tp, limit_of)
-        if rid not in self.request_start and self.derenderer.is_active(rid):
-            # pins the commit until the request is finished
+        if rid not in self.request_start and (records or self.derenderer.is_active(rid)):
+            # Pins the commit until the request is finished and its results acknowledged;
+            # a request answered by this one chunk too (an error, max_tokens 1): the commit
+            # went past it before its result was acknowledged, lost if the worker then died.
             self.request_start[rid] = (tp, self.offsets.hold(message))
         published.seen(message.offset)
         replaying = message.offset < self.publish_from.get(tp, 0)
