@@ -202,3 +202,14 @@ def test_released_offsets_do_not_pile_up_under_one_hold_that_stays():
     assert t.committable() == 99_999
     t.release(99_999)
     assert t.committable() == 100_001
+
+
+def test_the_record_being_handled_is_not_reported_finished_in_the_commit_metadata():
+    """A handler that waits before its hold: the metadata of a commit made meanwhile must
+    not tell the next owner the record was finished (it would skip it)."""
+    t = _tracker(120, [115])
+    t.handling = 112
+    committed = t.committable()
+    assert committed == 112
+    ahead = decode_finished(committed, encode_finished(t))
+    assert not ahead.finished(112) and not ahead.finished(115) and ahead.finished(113)

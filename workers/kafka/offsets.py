@@ -156,7 +156,8 @@ def encode_finished(tracker: OffsetTracker, limit: int = MAX_METADATA_CHARS) -> 
     start = tracker.committable()
     if start is None or tracker.next_offset is None or tracker.next_offset <= start:
         return ""
-    held = sorted(o for o in tracker._held if o >= start)
+    held = sorted({o for o in tracker._held if o >= start} |
+                  ({tracker.handling} if tracker.handling is not None and tracker.handling >= start else set()))
     end = tracker.next_offset
     parts, previous, length = [], start, len(FINISHED_PREFIX) + 12
     for i, offset in enumerate(held):
