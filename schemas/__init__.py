@@ -16,6 +16,7 @@ from schemas.codec import (
     encode,
     header_value,
     headers_for,
+    peek_address,
     peek_request_id,
     schema_header,
 )

@@ -147,6 +147,7 @@ def decode_record(data: bytes, headers: Iterable[tuple[str, bytes]] | None, reco
 
 class _RequestIdOnly(msgspec.Struct):
     request_id: str
+    reply_topic: Any = None  # (any type: read only when it is a string)
 
 
 def peek_request_id(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None) -> str | None:
@@ -154,10 +155,19 @@ def peek_request_id(data: bytes, headers: Iterable[tuple[str, bytes]] | None = N
 
     Lets a worker answer an invalid request with an error result rather than the DLQ.
     """
+    return peek_address(data, headers)[0]
+
+
+def peek_address(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None) -> tuple[str | None, str | None]:
+    """(request_id, reply_topic) of a record that does not decode as a request, each
+    None where it cannot be read: the error answer goes where the requester reads (a
+    client reading its own reply topic waited for one sent to the shared results topic
+    until it timed out). The reply topic must still pass the deployment's rule."""
     try:
-        return decode_record(data, headers, _RequestIdOnly).request_id
+        peeked = decode_record(data, headers, _RequestIdOnly)
     except Exception:
-        return None
+        return None, None
+    return peeked.request_id, peeked.reply_topic if isinstance(peeked.reply_topic, str) else None
 
 
 _MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)

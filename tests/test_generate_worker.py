@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -547,3 +548,31 @@ async def test_stop_finishes_in_flight_requests_within_the_grace_period(kafka_se
     chunks = chunks_by_request(records)["drain"]
     assert chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 120
+
+
+async def test_a_request_that_does_not_decode_is_answered_on_its_reply_topic(kafka_settings, make_topics, engine):
+    """A request whose fields do not decode (a wrong type, an integer past 64 bits) is
+    answered by the request_id and reply_topic read from it: a client reading its own
+    reply topic waited for an answer sent to the shared results topic until it timed out.
+    A reply topic the rule refuses is not used (the default topic, as for a full request)."""
+    await make_topics(kafka_settings, partitions=1)
+    prefix = kafka_settings.topic_prefix
+    bodies = [(b"typed", {"request_id": "typed", "prompt_token_ids": "1,2", "reply_topic": f"{prefix}.reply.x"}),
+              (b"big", {"request_id": "big", "prompt_token_ids": [1], "priority": 2**64 - 1,
+                        "reply_topic": f"{prefix}.reply.x"}),
+              (b"ruled", {"request_id": "ruled", "prompt_token_ids": "x", "reply_topic": f"{prefix}.requests"}),
+              (b"odd", {"request_id": "odd", "prompt_token_ids": "x", "reply_topic": 5})]
+    stop, task = await start_worker(kafka_settings, engine)
+    try:
+        await produce(kafka_settings, [(key, json.dumps(body).encode(), [("content-type", b"application/json")])
+                                       for key, body in bodies])
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"),
+                                   until=chunks_finished({"typed", "big", "ruled", "odd"}))
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    finals = {rid: chunks[-1] for rid, chunks in chunks_by_request(records).items()}
+    assert all(c.finish_reason == "error" and c.seq == 0 for c in finals.values())
+    assert finals["typed"].reply_topic == f"{prefix}.reply.x" and "prompt_token_ids" in finals["typed"].error.message
+    assert finals["big"].reply_topic == f"{prefix}.reply.x" and "priority" in finals["big"].error.message
+    assert finals["ruled"].reply_topic is None and finals["odd"].reply_topic is None

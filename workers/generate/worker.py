@@ -20,7 +20,7 @@ from itertools import repeat
 import msgspec
 from aiokafka import TopicPartition
 
-from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_request_id
+from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_address
 from schemas.validation import MAX_REQUEST_ID_LENGTH
 from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 # with an error keyed by that id, up to this length; a longer one goes to the DLQ: the
 # answer carries the id twice (key and value), and at ~0.5M characters no longer fits a
 # record (its offset was held for good; the client keys its reads by the id it sent).
-ANSWERABLE_ID_CHARS = 16 * MAX_REQUEST_ID_LENGTH
+# (Not more: the derender remembers 100,000 finished ids; at 1,024 characters, ~100 MB.)
+ANSWERABLE_ID_CHARS = 4 * MAX_REQUEST_ID_LENGTH
 
 
 def _unanswerable(request_id: str, exc: ValidationError | None = None) -> str:
@@ -107,14 +108,17 @@ class GenerateHandler(Handler):
         try:
             request = decode_message(message, GenerateRequest)
         except ValidationError as exc:
-            request_id = peek_request_id(message.value, message.headers)
+            request_id, reply_topic = peek_address(message.value, message.headers)
             if request_id is None:  # nobody to answer: keep the bytes for an operator
                 await self._to_dlq(message, release, f"invalid request without a readable request_id: {exc}")
             elif len(request_id) > ANSWERABLE_ID_CHARS:
                 await self._to_dlq(message, release, _unanswerable(request_id, exc))
             else:
-                await self._reject(InFlight(GenerateRequest(request_id=request_id, prompt_token_ids=[]), tp,
-                                            message.offset, release), str(exc))
+                if reply_topic is not None and self.reply_rule.problem(reply_topic) is not None:
+                    reply_topic = None  # (a full request's would be refused too: the default topic)
+                await self._reject(InFlight(GenerateRequest(request_id=request_id, prompt_token_ids=[],
+                                                            reply_topic=reply_topic), tp, message.offset, release),
+                                   str(exc))
             return
         except DecodeError as exc:
             await self._to_dlq(message, release, str(exc))
