@@ -58,6 +58,14 @@ def test_a_chat_body_maps_onto_a_request():
     ({"messages": []}, "chat", "messages", 400),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "chat", "tools", 400),
     ([1, 2], "chat", "body", 400),
+    # 64-bit integers only: a larger one could not be encoded into the request record (a 503
+    # "genpipe is unavailable" before), nor could the worker read one past 2**63 - 1 (a hang
+    # until the timeout: its error went to the shared results topic)
+    ({"prompt": "x", "max_tokens": 2**63}, "completion", "max_tokens", 400),
+    ({"prompt": "x", "top_k": 10**5000}, "completion", "top_k", 400),
+    ({"prompt": [1, 2**64]}, "completion", "prompt", 400),
+    ({"prompt": "x", "stop_token_ids": [2**70]}, "completion", "stop_token_ids", 400),
+    ({"prompt": "x", "temperature": 10**400}, "completion", "temperature", 400),  # (float() overflows)
 ])
 def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     with pytest.raises(BadParameter) as err:
@@ -236,6 +244,15 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "abort"
             bad_timeout = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "timeout": -1})
             assert bad_timeout.status_code == 400 and bad_timeout.json()["error"]["param"] == "timeout"
+            huge_timeout = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "timeout": 10**400})
+            assert huge_timeout.status_code == 400 and huge_timeout.json()["error"]["param"] == "timeout"
+            nested = await http.post("/v1/completions", content=b'{"prompt": "x", "junk": ' + b"[" * 5000 + b"]" * 5000
+                                     + b"}", headers={"content-type": "application/json"})
+            assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+            # the last seed: choice 1's seed (seed + 1) wraps into 64 bits, not past them
+            top_seed = await http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "n": 2,
+                                                                "max_tokens": 2, "ignore_eos": True, "seed": 2**63 - 1})
+            assert top_seed.status_code == 200 and len(top_seed.json()["choices"]) == 2, top_seed.text
 
             bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}})
             assert bad.status_code == 400

@@ -30,6 +30,11 @@ from schemas.openai import ErrorResponse
 from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
                             render_prompt)
 from workers.gateway.fanout import merge_final, reindex, total_usage
+
+try:
+    from jinja2 import TemplateError  # what a chat template raises to refuse messages
+except ImportError:  # (no jinja2: no chat templates either)
+    TemplateError = ValueError
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
 from workers.mailbox import KEEPALIVE
@@ -118,6 +123,8 @@ class Gateway:
             body = msgspec.json.decode(await request.body())
         except msgspec.DecodeError as exc:
             return error_response(400, f"the request body is not valid JSON: {exc}", param="body")
+        except RecursionError:  # msgspec gives up ~1,000 levels deep: a 500 before
+            return error_response(400, "the request body is nested too deeply", param="body")
         try:
             parsed = parse(body, kind, self.config.model_name, self.config.max_logprobs)
             if parsed.kind == "completion" and not any(isinstance(p, str) for p in parsed.prompts):
@@ -140,7 +147,7 @@ class Gateway:
         if timeout is not None:
             parsed.options["deadline_s"] = timeout  # a request not started by then ends as "abort"
         seed = parsed.options.get("seed")
-        choices = [make_request(ids, kind=kind, **{**parsed.options, "seed": None if seed is None else seed + index})
+        choices = [make_request(ids, kind=kind, **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
@@ -154,7 +161,7 @@ class Gateway:
             if parsed.kind == "chat":
                 return [render_chat(self.config.tokenizer, parsed.messages)]
             return [render_prompt(self.config.tokenizer, p) if isinstance(p, str) else p for p in parsed.prompts]
-        except ValueError as exc:  # no chat template, a template that refuses the messages
+        except (ValueError, TemplateError) as exc:  # no chat template, a template that refuses the messages
             raise BadParameter("messages" if parsed.kind == "chat" else "prompt", str(exc)) from None
 
     async def _complete(self, request: Request, choices: list, prompt_of: list[int]) -> Response:
@@ -325,6 +332,12 @@ class Gateway:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _nth_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: seed + index, wrapped into 64 bits (a seed near the top
+    would otherwise pass it, and its record could not be encoded)."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 def _timeout(header: str | None, field) -> float | None:
     """The request's own timeout in seconds: header `X-Request-Timeout` or body `timeout`."""
     value = header if header is not None else field
@@ -332,10 +345,11 @@ def _timeout(header: str | None, field) -> float | None:
         return None
     try:
         seconds = float("nan") if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an integer of 309+ digits)
         seconds = float("nan")
     if not 0 < seconds <= 86_400:
-        raise BadParameter("timeout", f"timeout must be seconds in (0, 86400], got {str(value)[:50]!r}")
+        got = value[:50] if isinstance(value, str) else value if isinstance(value, float) else type(value).__name__
+        raise BadParameter("timeout", f"timeout must be seconds in (0, 86400], got {got!r}")
     return seconds
 
 

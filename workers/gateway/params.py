@@ -12,6 +12,8 @@ from typing import Any
 
 from schemas.validation import MAX_STOP_STRINGS
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 # Parameters with a meaning genpipe does not implement: refused by name rather than
 # silently ignored (a caller relying on them would get different output).
 UNSUPPORTED = {
@@ -125,7 +127,7 @@ def _prompts(value: Any) -> list[str | list[int]]:
     """OpenAI's four prompt forms: a string, a list of strings, a list of token ids, a
     list of token id lists."""
     def ids(v) -> bool:
-        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        return isinstance(v, list) and bool(v) and all(_is_int64(t) for t in v)
     if isinstance(value, str):
         return [value]
     if ids(value):
@@ -167,10 +169,16 @@ def _stop(value: Any) -> list[str]:
     raise BadParameter("stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
 
 
+def _is_int64(v: Any) -> bool:
+    # (the records carry 64-bit integers: a larger one could not be encoded, and came
+    # back as a 503 "genpipe is unavailable")
+    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
+
+
 def _ids(value: Any, param: str) -> list[int]:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and all(_is_int64(t) for t in value):
         return list(value)
-    raise BadParameter(param, f"{param} must be a list of integers")
+    raise BadParameter(param, f"{param} must be a list of 64-bit integers")
 
 
 def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
@@ -185,16 +193,22 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
 def _int(value: Any, param: str, low: int | None, high: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadParameter(param, f"{param} must be an integer")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise BadParameter(param, f"{param} must be {bounds}, got {value}")
+    high = INT64_MAX if high is None else min(high, INT64_MAX)
+    if (low is not None and value < low) or value > high or value < INT64_MIN:
+        bounds = f"between {INT64_MIN if low is None else low} and {high}"
+        # (str() of an integer of 4,300+ digits raises: Python's own limit)
+        got = value if INT64_MIN <= value <= INT64_MAX else f"an integer of {value.bit_length()} bits"
+        raise BadParameter(param, f"{param} must be {bounds}, got {got}")
     return value
 
 
 def _float(value: Any, param: str, low: float, high: float, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadParameter(param, f"{param} must be a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer literal of 309+ digits
+        raise BadParameter(param, f"{param} must be >= {low:g} and <= {high:g}") from None
     if value != value or value > high or value < low or (open_low and value <= low):
         raise BadParameter(param, f"{param} must be {'>' if open_low else '>='} {low:g} and <= {high:g}, got {value:g}")
     return value
