@@ -110,33 +110,17 @@ async def test_bulk_topic_is_read_only_while_no_interactive_request_waits(kafka_
     assert len(order) == 43  # every bulk request ran too, once
 
 
-async def test_rows_kept_free_of_bulk_work_let_an_interactive_request_start_at_once(kafka_settings, make_topics):
+@pytest.mark.parametrize("bulk_priority", [0, -5])
+async def test_rows_kept_free_of_bulk_work_let_an_interactive_request_start_at_once(kafka_settings, make_topics,
+                                                                                     bulk_priority):
     """The engine does not preempt; a batch full of long bulk requests would make an
-    interactive one wait for the first of them to end. 1/16 of the rows stay free of bulk."""
+    interactive one wait for the first of them to end. 1/16 of the rows stay free of bulk,
+    and the interactive request takes one at once even behind bulk requests of a better
+    priority, which wait at the head of the queue for bulk's rows (-5: admission stopped at
+    that head, the free rows stayed idle, and the interactive request waited for every
+    better bulk one)."""
     await make_topics(kafka_settings, partitions=1)
-    bulk = [req(f"bulk-{i}", 300) for i in range(40)]  # ~3 s each; far more than a batch
-    stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
-                                    synthetic_step_s=0.01, max_batch=16)
-    try:
-        await send(kafka_settings, bulk, role="requests.bulk")
-        await first_chunk_of(kafka_settings, ["bulk-0"])
-        await send(kafka_settings, [req("chat", 2)])
-        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), timeout=60,
-                                   until=chunks_finished(["chat"]))
-    finally:
-        await stop_worker(stop, task, timeout=120)
-    finals = [c.request_id for c in finals_in_order(records)]
-    assert finals[0] == "chat", f"a bulk request ended first: {finals[:3]}"
-
-
-async def test_the_rows_kept_free_of_bulk_work_take_an_interactive_request_behind_a_better_bulk_one(
-        kafka_settings, make_topics):
-    """Bulk requests of a better priority than an interactive one wait at the head of the
-    queue while bulk work fills its share of the rows: the interactive request behind them
-    still takes a free row at once. (Admission stopped at the bulk head: the free rows
-    stayed idle, and the interactive request waited for every better bulk one.)"""
-    await make_topics(kafka_settings, partitions=1)
-    bulk = [req(f"bulk-{i}", 300, priority=-5) for i in range(40)]  # ~3 s each; far more than a batch
+    bulk = [req(f"bulk-{i}", 300, priority=bulk_priority) for i in range(40)]  # ~3 s each; far more than a batch
     stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
                                     synthetic_step_s=0.01, max_batch=16)
     try:
