@@ -74,6 +74,17 @@ def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     assert param.split("[")[0].split(".")[0] in str(err.value) or param == "body"
 
 
+def test_a_prompt_with_no_room_in_the_context_is_refused_before_the_fan_out():
+    from workers.gateway.app import _check_context
+
+    _check_context([[1] * 2047, [1]], 2048, "prompt")
+    _check_context([[1] * 10_000], None, "prompt")  # (the context unknown: the worker decides)
+    with pytest.raises(BadParameter) as err:
+        _check_context([[1], [1] * 2048], 2048, "prompt")
+    assert err.value.param == "prompt" and err.value.status == 400
+    assert str(err.value).startswith("prompt[1] has 2048 tokens but the model's context is 2048")
+
+
 def test_continuous_usage_stats_as_vllm_reads_them():
     both = {"include_usage": True, "continuous_usage_stats": True}
     assert parse({"prompt": "x", "stream": True, "stream_options": both}, "completion", "m").options["continuous_usage"]
@@ -253,6 +264,9 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             top_seed = await http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "n": 2,
                                                                 "max_tokens": 2, "ignore_eos": True, "seed": 2**63 - 1})
             assert top_seed.status_code == 200 and len(top_seed.json()["choices"]) == 2, top_seed.text
+            wide = await http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 250_000, "n": 64})
+            assert wide.status_code == 400 and wide.json()["error"]["param"] == "prompt"
+            assert "250000 tokens but the model's context is" in wide.json()["error"]["message"]
 
             bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}})
             assert bad.status_code == 400

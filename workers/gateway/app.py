@@ -133,6 +133,7 @@ class Gateway:
                 prompts = parsed.prompts
             else:  # the tokenizer (a long prompt or a chat template takes a while): off the loop
                 prompts = await asyncio.to_thread(self._prompt_ids, parsed)
+            _check_context(prompts, self.max_model_len, "messages" if parsed.kind == "chat" else "prompt")
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
         if self.in_flight >= self.config.max_in_flight:
@@ -330,6 +331,19 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:
+    """A prompt with no room left in the model's context is refused here, before it is
+    copied into a record per choice (n of them) that the worker would refuse anyway: a
+    body of 250,000 ids with n = 128 cost the gateway ~330 MB and 2.6 s of CPU."""
+    if max_model_len is None:
+        return
+    for i, ids in enumerate(prompts):
+        if len(ids) >= max_model_len:
+            where = param if len(prompts) == 1 else f"{param}[{i}]"
+            raise BadParameter(param, f"{where} has {len(ids)} tokens but the model's context is {max_model_len}, "
+                                      f"leaving no room to generate")
 
 
 def _nth_seed(seed: int, index: int) -> int:
