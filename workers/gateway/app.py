@@ -264,6 +264,11 @@ class Gateway:
                         exc.request_id if isinstance(exc, GenpipeOverflow) else None)
             timeout = isinstance(exc, GenpipeTimeout)
             yield _event(error_body(exc.message, exc.type, exc.param, 504 if timeout else exc.code))
+        except Exception as exc:  # Kafka unreachable, the client's reader failed: as a non-streamed 503
+            log.error("request %s failed: %r", choices[0].request_id, exc)
+            cancel_rest(f"the HTTP stream failed: {str(exc)[:200]}")
+            # (the stream was cut with no event before: the HTTP client saw a broken body)
+            yield _event(error_body(f"genpipe is unavailable: {exc}", "service_unavailable", code=503))
         finally:
             self.in_flight -= 1
             # the HTTP client went away, or the stream ended early
