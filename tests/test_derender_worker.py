@@ -332,32 +332,46 @@ async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_
 
 async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looked_up_leaves_nothing_behind(
         kafka_settings, make_topics, tiny_model_dir):
-    """A seq-0 chunk naming a reply topic not known yet waits for its lookup (up to 5 s
-    for a missing one). A revoke then: the partition's next owner reads the chunk again,
-    so this worker publishes nothing of it and forgets the request it started (it kept
-    its state and a hold for a partition it no longer owned)."""
+    """A seq-0 chunk naming a reply topic not known yet waits for its lookup (a metadata
+    round trip; up to 5 s for a missing topic). A revoke then: the partition's next owner
+    reads the chunk again, so this worker publishes nothing of it and forgets the request
+    it started (it kept its state and a hold for a partition it no longer owned). The
+    lookup is the publisher's real one, held until the revoke has run."""
+    from aiokafka.admin import NewTopic
     from aiokafka.structs import ConsumerRecord
 
-    from tests.kafka_helpers import wait_for
+    from workers.kafka.clients import make_admin
 
     await make_topics(kafka_settings, partitions=1)
-    group = f"{kafka_settings.topic_prefix}-der-revoked"
-    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, group)
-    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    late = f"{kafka_settings.topic_prefix}.reply.late"
+    admin = make_admin(kafka_settings)
+    await admin.start()
     try:
-        first = make_chunks("mid", [5, 6], output=OutputOptions(stream=True),
-                            reply_topic=f"{kafka_settings.topic_prefix}.reply.missing")[0]
+        await admin.create_topics([NewTopic(late, 1, 1)])
+    finally:
+        await admin.close()
+    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, "unused")
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    real_lookup, asked, revoked = handler.publisher.partition_count, asyncio.Event(), asyncio.Event()
+
+    async def lookup_across_the_revoke(topic: str) -> int:
+        asked.set()
+        await revoked.wait()
+        return await real_lookup(topic)
+    handler.publisher.partition_count = lookup_across_the_revoke
+    try:
+        first = make_chunks("mid", [5, 6], output=OutputOptions(stream=True), reply_topic=late)[0]
         message = ConsumerRecord(tp.topic, 0, 0, 0, 0, b"mid", encode(first), None, 0, 0, list(headers_for(first)))
         handler.offsets.tracker(tp).seen(0)  # as the loop does before it hands a record over
         await handler.on_assigned([tp], {})
         handling = asyncio.ensure_future(handler.handle(message))
-        await wait_for(lambda: handler.derenderer.is_active("mid") or handling.done(),
-                       what="the chunk rendered, its reply topic being looked up")
-        assert not handling.done(), "the lookup did not wait"
+        await asyncio.wait_for(asked.wait(), 30)
+        assert handler.derenderer.is_active("mid")  # rendered; its reply topic being looked up
         # the revoke, as the loop runs it for a derender (nothing kept)
         await handler.on_revoked([tp])
         await handler.on_lost([tp])
         handler.offsets.drop(tp)
+        revoked.set()
         await asyncio.wait_for(handling, 30)
         assert not handler.derenderer.is_active("mid") and "mid" not in handler.request_start
         assert handler.offsets.partitions() == [] and handler._pending == []
