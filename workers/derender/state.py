@@ -193,8 +193,8 @@ class Derenderer:
         except Exception as exc:
             rid = chunk.request_id
             self.stats.render_failures += 1
-            self.render_failures.log("request %r: chunk seq %s of attempt %r could not be rendered; the request ends "
-                                 "with an error", rid, chunk.seq, chunk.attempt, exc_info=True)
+            self.render_failures.log("request %r: chunk seq %s of attempt %r could not be rendered; the request "
+                                     "ends with an error", rid, chunk.seq, chunk.attempt, exc_info=True)
             return self._fail(rid, self._active.get(rid), chunk, f"could not be rendered ({exc!r})")
 
     def _process(self, chunk: GenerateChunk) -> list[Output]:
