@@ -145,7 +145,7 @@ def decode_record(data: bytes, headers: Iterable[tuple[str, bytes]] | None, reco
     return decode(data, record_type, content_type_of(data, headers))
 
 
-class _RequestIdOnly(msgspec.Struct):
+class _Address(msgspec.Struct):
     request_id: str
     reply_topic: Any = None  # (any type: read only when it is a string)
 
@@ -164,7 +164,7 @@ def peek_address(data: bytes, headers: Iterable[tuple[str, bytes]] | None = None
     client reading its own reply topic waited for one sent to the shared results topic
     until it timed out). The reply topic must still pass the deployment's rule."""
     try:
-        peeked = decode_record(data, headers, _RequestIdOnly)
+        peeked = decode_record(data, headers, _Address)
     except Exception:
         return None, None
     return peeked.request_id, peeked.reply_topic if isinstance(peeked.reply_topic, str) else None

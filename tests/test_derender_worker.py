@@ -273,32 +273,18 @@ async def test_cancels_for_stop_strings_reach_their_keys_partitions_once_each(ka
     assert sum(committed[tp].offset for tp in tps) == sum(len(chunks) for chunks in requests.values())
 
 
-async def _handler_on_a_loop(settings, tokenizer_dir, group: str):
-    """The derender's handler on the real consumer loop and producer, as `serve` builds
-    them, with the loop in reach (commits on demand)."""
+async def _handler_with_producer(settings, tokenizer_dir):
+    """The derender's handler on a real producer, as `serve` builds it; the test hands it
+    records as the consumer loop does."""
     from workers.derender.worker import DerenderHandler
-    from workers.kafka.loop import ConsumerLoop
     from workers.kafka.offsets import PartitionOffsets
     from workers.kafka.publisher import Publisher
 
     producer = make_producer(settings)
     await producer.start()
-    offsets = PartitionOffsets()
-    handler = DerenderHandler(settings, Publisher(producer, settings.topic("dlq")), offsets,
+    handler = DerenderHandler(settings, Publisher(producer, settings.topic("dlq")), PartitionOffsets(),
                               Derenderer(str(tokenizer_dir)))
-    return producer, handler, ConsumerLoop(settings, settings.topic("chunks"), group, handler, offsets,
-                                           commit_interval_s=3600)
-
-
-async def _produce_chunks(settings, chunks) -> None:
-    producer = make_producer(settings)
-    await producer.start()
-    try:
-        for chunk in chunks:
-            await producer.send_and_wait(settings.topic("chunks"), encode(chunk), key=chunk.request_id.encode(),
-                                         headers=headers_for(chunk), partition=0)
-    finally:
-        await producer.stop()
+    return producer, handler
 
 
 async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_result_is_acknowledged(
@@ -312,7 +298,7 @@ async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_
     from tests.kafka_helpers import wait_for
 
     await make_topics(kafka_settings, partitions=1)
-    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, "unused")
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir)
     tp = TopicPartition(kafka_settings.topic("chunks"), 0)
     try:
         (one,) = make_chunks("one", [5])
@@ -337,20 +323,14 @@ async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looke
     reads the chunk again, so this worker publishes nothing of it and forgets the request
     it started (it kept its state and a hold for a partition it no longer owned). The
     lookup is the publisher's real one, held until the revoke has run."""
-    from aiokafka.admin import NewTopic
     from aiokafka.structs import ConsumerRecord
 
-    from workers.kafka.clients import make_admin
+    from tests.kafka_helpers import create_topic
 
     await make_topics(kafka_settings, partitions=1)
     late = f"{kafka_settings.topic_prefix}.reply.late"
-    admin = make_admin(kafka_settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(late, 1, 1)])
-    finally:
-        await admin.close()
-    producer, handler, _ = await _handler_on_a_loop(kafka_settings, tiny_model_dir, "unused")
+    await create_topic(kafka_settings, late)
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir)
     tp = TopicPartition(kafka_settings.topic("chunks"), 0)
     real_lookup, asked, revoked = handler.publisher.partition_count, asyncio.Event(), asyncio.Event()
 
