@@ -16,7 +16,8 @@ SCHEMA_VERSION = 1
 # Every integer a client writes fits in 64 bits: JSON has no bound of its own, and a
 # 2**70 that passed the rules would fail later, where the worker re-encodes the request
 # as msgpack (whose integers stop at 64 bits), with the record's offset held.
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 OutputKind = Literal["chat", "completion"]

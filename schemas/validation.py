@@ -12,7 +12,7 @@ import re
 import msgspec
 
 from schemas.errors import ValidationError
-from schemas.records import GenerateRequest, OutputOptions, SamplingParams
+from schemas.records import INT64_MAX, INT64_MIN, GenerateRequest, OutputOptions, SamplingParams
 
 DEFAULT_MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LENGTH = 256
@@ -25,7 +25,6 @@ MAX_STOP_CHARS = 1000
 # value it is inf, and -inf / inf (a suppressed token) is NaN, which wins every draw.
 MAX_TEMPERATURE = 3.4028234663852886e38
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_INT64_MAX = 2**63 - 1
 
 
 def _fail(field: str, message: str) -> None:
@@ -83,7 +82,7 @@ def validate_sampling(p: SamplingParams, *, max_logprobs: int = DEFAULT_MAX_LOGP
         _fail("sampling.top_k", f"must be -1 or 0 (disabled) or a positive count, got {p.top_k}")
     if not 0.0 <= p.min_p <= 1.0:
         _fail("sampling.min_p", f"must be in [0, 1], got {p.min_p}")
-    if p.seed is not None and not -_INT64_MAX - 1 <= p.seed <= _INT64_MAX:
+    if p.seed is not None and not INT64_MIN <= p.seed <= INT64_MAX:
         _fail("sampling.seed", "must fit in 64 bits")
     _check_ids("sampling.stop_token_ids", p.stop_token_ids, vocab_size)
     check_logprobs_count("sampling.logprobs", p.logprobs, max_logprobs, vocab_size)

@@ -30,15 +30,15 @@ from schemas.openai import ErrorResponse
 from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
                             render_prompt)
 from workers.gateway.fanout import merge_final, reindex, total_usage
+from workers.gateway.params import BadParameter, parse
+from workers.kafka.settings import KafkaSettings
+from workers.mailbox import KEEPALIVE
+from workers.metrics import GATEWAY_RELAY, watch_gc_pauses
 
 try:
     from jinja2 import TemplateError  # what a chat template raises to refuse messages
 except ImportError:  # (no jinja2: no chat templates either)
     TemplateError = ValueError
-from workers.gateway.params import BadParameter, parse
-from workers.kafka.settings import KafkaSettings
-from workers.mailbox import KEEPALIVE
-from workers.metrics import GATEWAY_RELAY, watch_gc_pauses
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -148,7 +148,8 @@ class Gateway:
         if timeout is not None:
             parsed.options["deadline_s"] = timeout  # a request not started by then ends as "abort"
         seed = parsed.options.get("seed")
-        choices = [make_request(ids, kind=kind, **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
+        choices = [make_request(ids, kind=kind,
+                                **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:

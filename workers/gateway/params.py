@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.records import INT64_MAX, INT64_MIN
 from schemas.validation import MAX_STOP_STRINGS
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Parameters with a meaning genpipe does not implement: refused by name rather than
 # silently ignored (a caller relying on them would get different output).
