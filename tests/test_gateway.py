@@ -482,6 +482,38 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
 
 
 @pytest.mark.kafka
+async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(kafka_settings, make_topics,
+                                                                          tiny_model_dir):
+    """--max-body-mib: Starlette read any body into memory, so one client could send
+    gigabytes. A body that says it is too large gets 413 at once, unread; one sent in
+    chunks with no length gets it once the limit has come (the rest is discarded as it
+    arrives, not kept); the gateway serves on."""
+    await make_topics(kafka_settings, partitions=2)
+    limit = 4096
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="small", max_body_bytes=limit,
+                               timeout_s=1.0) as \
+            (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        big = {"model": "tiny", "prompt": [7] * 5000, "max_tokens": 2}  # ~10 KB
+
+        async def chunks():  # no Content-Length: the gateway counts what arrives
+            for _ in range(1000):  # 1 MB
+                yield b" " * 1024
+
+        declared = await http.post("/v1/completions", json=big)
+        chunked = await http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        for response in (declared, chunked):
+            assert response.status_code == 413, response.text
+            error = response.json()["error"]
+            assert error["param"] == "body" and error["code"] == 413
+            assert f"larger than this gateway takes: {limit} bytes (--max-body-mib)" in error["message"]
+        assert f"body ({declared.request.headers['content-length']} bytes)" in declared.json()["error"]["message"]
+        # under the limit: read and answered (a model it does not serve: 404, no workers needed)
+        small = await http.post("/v1/completions", json={"model": "other", "prompt": [7], "max_tokens": 2})
+        assert small.status_code == 404, small.text
+        assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
 async def test_the_sync_openai_sdk_n_logprobs_stop_strings_echo_and_errors(kafka_settings, make_topics,
                                                                         tiny_model_dir, engine):
     """The official SDK's sync client (in a thread: the gateway runs on this event loop)

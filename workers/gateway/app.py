@@ -55,6 +55,7 @@ class GatewayConfig:
     send_timeout_s: float = 15.0  # Kafka took no request for this long: 503
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
     max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
+    max_body_bytes: int = 16 << 20  # a request body larger than this: 413, not read further
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -120,7 +121,9 @@ class Gateway:
 
     async def generate(self, request: Request, kind: str) -> Response:
         try:
-            body = msgspec.json.decode(await request.body())
+            body = msgspec.json.decode(await _read_body(request, self.config.max_body_bytes))
+        except BadParameter as exc:
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
         except msgspec.DecodeError as exc:
             return error_response(400, f"the request body is not valid JSON: {exc}", param="body")
         except RecursionError:  # msgspec gives up ~1,000 levels deep: a 500 before
@@ -371,6 +374,28 @@ def _timeout(header: str | None, field) -> float | None:
         got = value[:50] if isinstance(value, str) else value if isinstance(value, float) else type(value).__name__
         raise BadParameter("timeout", f"timeout must be seconds in (0, 86400], got {got!r}")
     return seconds
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes: a larger one is refused (413) as soon as
+    its Content-Length says so, or once that much of a chunked one has come, and the rest
+    is not read. Starlette's `request.body()` reads any size into memory: one client
+    sending gigabytes took the gateway's memory, every other request's with it."""
+    def too_large(declared: str | None) -> BadParameter:
+        size = f" ({declared[:30]} bytes)" if declared is not None else ""
+        return BadParameter("body", f"the request body{size} is larger than this gateway takes: {limit} bytes "
+                                    f"(--max-body-mib)", status=413)
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(None)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _event(data: bytes) -> bytes:

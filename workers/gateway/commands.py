@@ -55,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = Gateway(settings, GatewayConfig(
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
-        timeout_s=args.timeout, max_unread=args.max_unread))
+        timeout_s=args.timeout, max_unread=args.max_unread,
+        max_body_bytes=args.max_body_mib << 20))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -95,6 +96,10 @@ def register(sub) -> None:
                             "read (past the socket's buffers); a stream that falls further behind ends with "
                             "an error event and its request is cancelled, so a stalled client cannot make "
                             "the gateway grow without end (default %(default)s)")
+    serve.add_argument("--max-body-mib", type=at_least(1), default=16,
+                       help="largest request body in MiB; a larger one gets 413 and is not read further, so "
+                            "one client cannot take the gateway's memory (default %(default)s; a request record "
+                            "on the topics holds ~1 MB)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
                        help="seconds without a result before a request gets 504 (default %(default)s)")
     add_log_level(serve)
