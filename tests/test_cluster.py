@@ -369,6 +369,73 @@ async def test_a_publish_step_hands_over_partitions_with_room_first_and_waits_fo
 
 
 
+async def test_a_dlq_copy_or_a_lone_record_for_a_partition_without_a_leader_waits_in_a_lane(cluster):
+    """DLQ copies and records sent alone (an error in place of a refused record, a reply
+    topic's first result) went through aiokafka's send(): once their partition's batch
+    was full and the partition had no leader, the send waited the producer's request
+    timeout (30 s), was tried again, and so on until the broker came back, and the
+    worker's loop with it. Now they go as a publish step's records do: after
+    STUCK_AFTER_S into a lane, and the caller goes on. Nothing is lost or reordered once
+    the broker is back."""
+    from aiokafka.structs import ConsumerRecord
+
+    from workers.kafka.topic_metadata import key_partition
+
+    settings = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers, topic_prefix=f"cl-{uuid.uuid4().hex[:6]}")
+    dlq, victim = settings.topic("dlq"), 3
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(dlq, -1, -1, replica_assignments={0: [victim], 1: [1]})])
+    finally:
+        await admin.close()
+    await wait_for_leaders(lambda leaders: all(leaders.get(p, -1) >= 0 for p in range(2)), settings, dlq,
+                           "the topic's leaders")
+    dead_key = next(k for k in (f"k{i}" for i in range(100)) if key_partition(k, 2) == 0)
+    live_key = next(k for k in (f"k{i}" for i in range(100)) if key_partition(k, 2) == 1)
+
+    def refused(offset: int, key: str) -> ConsumerRecord:  # ~100 KB: two fill a producer batch (256 KB)
+        return ConsumerRecord(settings.topic("requests"), 0, offset, 0, 0, key.encode(), b"x" * 100_000, None,
+                              len(key), 100_000, [])
+
+    producer = make_producer(settings)
+    await producer.start()
+    down = False
+    try:
+        publisher = Publisher(producer, dlq)
+        assert await publisher.partition_count(dlq) == 2
+        await asyncio.to_thread(node_down, cluster, victim, kill=True)
+        down = True
+        await wait_for_leaders(lambda leaders: leaders[0] < 0, settings, dlq, "partition 0 to lose its leader")
+        await producer.client.force_metadata_update()
+
+        futures = []
+        for offset in range(4):  # the third found the partition's queue full and waited for good
+            try:
+                futures.append(await asyncio.wait_for(publisher.to_dlq(refused(offset, dead_key), "bad"), 15))
+            except asyncio.TimeoutError:
+                raise AssertionError(f"DLQ copy {offset} held its caller while its partition had no leader") from None
+        assert TopicPartition(dlq, 0) in publisher.lanes
+        alone = await asyncio.wait_for(publisher.publish(Outgoing(dlq, dead_key, Cancel(request_id="alone"))), 15)
+        live = await asyncio.wait_for(publisher.to_dlq(refused(4, live_key), "bad"), 15)
+        await asyncio.wait_for(live, 30)  # acknowledged while the other partition has no leader
+        assert not any(f.done() for f in futures + [alone])
+
+        await asyncio.to_thread(node_up, cluster, victim)
+        down = False
+        await asyncio.wait_for(asyncio.gather(*futures, alone), 120)
+    finally:
+        if down:
+            await asyncio.to_thread(node_up, cluster, victim)
+        await producer.stop()
+    read = await read_topic(settings, dlq, until=lambda r: len(r) >= 6)
+    by_partition: dict[int, list] = {}
+    for record in read:
+        by_partition.setdefault(record.partition, []).append(
+            dict(record.headers).get("genpipe-dlq-source-offset", b"alone").decode())
+    assert by_partition == {0: ["0", "1", "2", "3", "alone"], 1: ["4"]}
+
+
 async def test_a_reply_topic_without_a_leader_holds_only_its_own_results(cluster, tiny_model_dir):
     """A client's reply topic with one replica, on a broker that dies, while the derender
     has ~450 KB of results for it. It sent a reply topic's results one by one: once the

@@ -372,8 +372,8 @@ class StuckHandler(Handler):
 
 async def test_a_loop_turn_stuck_at_shutdown_is_cut_short_and_its_record_is_not_committed(kafka_settings, caplog):
     """A stop while a loop turn waits for good (a publish the broker never takes: since
-    lanes (workers/kafka/lanes.py) a leaderless partition no longer holds a generate
-    worker's turn, but a full lane, a DLQ copy or a reply-topic send still can) ends the
+    lanes (workers/kafka/lanes.py) a leaderless partition no longer holds a worker's turn,
+    but lanes full, 32 MiB waiting, still can) ends the
     turn after `shutdown_wait_s`, and the worker stops instead of waiting with it. The
     record it was handling is not committed (its partition's next owner redoes it); the
     one before it is."""

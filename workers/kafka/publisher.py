@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Awaitable, Callable, Collection
 
@@ -20,7 +21,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 
 from workers.broker.topics import BATCH_OVERHEAD_BYTES
 from workers.kafka.lanes import STUCK_AFTER_S, Lanes
-from workers.kafka.records import Outgoing, dlq_copy
+from workers.kafka.records import DlqCopy, Outgoing, dlq_copy
 from workers.kafka.settings import MAX_RECORD_BYTES
 from workers.kafka.topic_metadata import TopicCounts, TopicUnavailable, key_partition
 from workers.log_digest import LogDigest
@@ -112,39 +113,34 @@ class Publisher:
             return self.producer.create_batch()
         return BatchBuilder(cap, self._compression, is_transactional=False)
 
-    async def publish(self, record: Outgoing) -> asyncio.Future:
+    async def publish(self, record: Outgoing | DlqCopy) -> asyncio.Future:
         """Hand one record to the producer. Raises TopicUnavailable (quickly) when its
-        topic does not exist; the future fails if the broker refuses the record."""
-        count = await self.partition_count(record.topic)
+        topic does not exist; the future fails if the broker refuses the record.
+
+        It goes as a publish step's records do (`_publish_groups`): a partition the
+        producer has no room for within STUCK_AFTER_S gets a lane, and the caller goes on.
+        It went through aiokafka's send(), which waits its request timeout for room, and
+        `_enqueue` again, for as long as the partition had no leader: a DLQ copy, an error
+        sent in place of a refused record or a reply topic's first result held the
+        worker's loop, every partition's records with it (docs/design.md §6)."""
+        topic = record.topic
+        count = await self.partition_count(topic)
         if not count:
-            raise TopicUnavailable(record.topic)
+            raise TopicUnavailable(topic)
         partition = record.partition
-        if partition is not None and partition >= count:
-            partition = key_partition(record.key, count)  # a reply topic with fewer partitions
-        if partition is not None and self.lanes and TopicPartition(record.topic, partition) in self.lanes:
-            # behind the partition's records that wait in its lane, in order
-            batch = self._new_batch(record.topic)
-            _append(batch, record)
-            batch.close()
-            future = await self.lanes.add(TopicPartition(record.topic, partition), batch, batch.size())
-            self._track(future)
-            return future
-        if self._batch_cap(record.topic) is not None:
-            # a topic that takes smaller batches than the producer makes: a batch of its own
-            # (the producer would put it in one with the partition's records before it)
-            batch = self._new_batch(record.topic)
-            _append(batch, record)
-            batch.close()
-            future = await self._enqueue(record.topic, partition, lambda: self.producer.send_batch(
-                batch, record.topic, partition=partition if partition is not None else key_partition(
-                    record.key, count)))
-            self._track(future)
-            return future
-        future = await self._enqueue(record.topic, partition, lambda: self.producer.send(
-            record.topic, record.kafka_value(), key=record.key.encode(),
-            headers=record.kafka_headers(), partition=partition))
-        self._track(future)
-        return future
+        if partition is None or partition >= count:  # (a reply topic with fewer partitions)
+            partition = self._partition_of(record.key, topic, count)
+        futures: list = [None]
+        await self._publish_groups({(topic, partition): [0]}, [record], futures, None)
+        return futures[0]
+
+    def _partition_of(self, key: str | bytes | None, topic: str, count: int) -> int:
+        """Where the producer's partitioner would put a record sent without a partition:
+        its key's (murmur2), or with no key one of the partitions with a leader."""
+        if key is not None:
+            return key_partition(key, count)
+        led = self.producer.client.cluster.available_partitions_for_topic(topic)
+        return random.choice(sorted(led)) if led else random.randrange(count)
 
     async def publish_batch(self, records: list[Outgoing],
                             own_topics: Collection[str] | None = None) -> list[asyncio.Future]:
@@ -179,6 +175,14 @@ class Publisher:
                     futures[i] = await self.publish(record)
                 except (TopicUnavailable, KafkaError) as exc:
                     futures[i] = self._failed(topic, own_topics, exc)
+        await self._publish_groups(groups, records, futures, own_topics)
+        return futures
+
+    async def _publish_groups(self, groups: dict[tuple[str, int], list[int]], records: list, futures: list,
+                              own_topics: Collection[str] | None) -> None:
+        """`records` in producer batches, per (topic, partition) the indexes of its records
+        in order; sets `futures[i]` for each. Partitions the producer has no room for wait
+        together, after the others were handed over, then go to lanes (`_send_when_room`)."""
         full: dict[TopicPartition, list[tuple]] = {}  # partitions whose queue the sender has not emptied
         for (topic, partition), indexes in groups.items():
             tp = TopicPartition(topic, partition)
@@ -199,7 +203,6 @@ class Publisher:
         if full:
             await asyncio.gather(*(self._send_when_room(tp, batches, futures, own_topics)
                                    for tp, batches in full.items()))
-        return futures
 
     def _failed(self, topic: str, own_topics: Collection[str] | None, exc: BaseException) -> asyncio.Future:
         """`exc` raised, for one of `own_topics`; else a future failed with it."""
@@ -249,7 +252,7 @@ class Publisher:
                 self._open[tp] = (queued[-1], future)
             else:
                 batch.close()
-        self._track(future, len(members))
+        self._track(future, len(members), logged=tp.topic == self.dlq_topic)  # (to_dlq logs its own)
         for i in members:
             futures[i] = future
 
@@ -272,7 +275,7 @@ class Publisher:
             futures[i] = future
             joined += 1
         if joined:
-            self._track(future, joined)
+            self._track(future, joined, logged=tp.topic == self.dlq_topic)
         return joined
 
     async def _room_for(self, tp: TopicPartition) -> bool:
@@ -297,10 +300,7 @@ class Publisher:
         record's offset may be released: a copy the broker refuses anyway is logged with
         the record's coordinates, and must not hold its partition's commits for good."""
         self._dlq_log.log("DLQ %s[%d]@%d: %s", message.topic, message.partition, message.offset, error)
-        key, value, headers = dlq_copy(message, error, self.max_record_bytes)
-        future = await self._enqueue(self.dlq_topic, None, lambda: self.producer.send(
-            self.dlq_topic, value, key=key, headers=headers))
-        self._track(future, logged=True)
+        future = await self.publish(DlqCopy(self.dlq_topic, *dlq_copy(message, error, self.max_record_bytes)))
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._dlq_refused.log(
             "the DLQ refused the copy of %s[%d]@%d (%r): the record is only at its source offset, while the "
             "topic's retention keeps it", message.topic, message.partition, message.offset, f.exception()))
@@ -397,7 +397,7 @@ class Publisher:
         return not failed
 
 
-def _append(batch, record: Outgoing):
+def _append(batch, record: Outgoing | DlqCopy):
     """`record` into a producer batch; None when the batch is full."""
-    return batch.append(key=record.key.encode(), value=record.kafka_value(), timestamp=None,
+    return batch.append(key=record.kafka_key(), value=record.kafka_value(), timestamp=None,
                         headers=record.kafka_headers())

@@ -48,6 +48,9 @@ class Outgoing:
                     headers.append((name, value.encode()))
         return headers
 
+    def kafka_key(self) -> bytes:
+        return self.key.encode()
+
     def kafka_value(self) -> bytes:
         if self._encoded is None:
             self._encoded = encode(self.value, self.content_type)
@@ -59,6 +62,26 @@ class Outgoing:
         for name, value in self.kafka_headers():  # (a loop: a generator per record cost more)
             n += len(name) + len(value)
         return n
+
+
+class DlqCopy:
+    """A refused record's copy for the DLQ, its bytes as they came (`dlq_copy`): published
+    as an Outgoing is (workers/kafka/publisher.py), on its key's partition."""
+
+    __slots__ = ("topic", "key", "value", "headers", "partition")
+
+    def __init__(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers):
+        self.topic, self.key, self.value, self.headers = topic, key, value, headers
+        self.partition = None  # the producer's partitioner's choice
+
+    def kafka_key(self) -> bytes | None:
+        return self.key
+
+    def kafka_value(self) -> bytes | None:
+        return self.value
+
+    def kafka_headers(self) -> Headers:
+        return self.headers
 
 
 def decode_message(message, record_type: Any) -> Any:

@@ -43,10 +43,10 @@ class TopicUnavailable(Exception):
         self.topic = topic
 
 
-def key_partition(key: str, count: int) -> int:
+def key_partition(key: str | bytes, count: int) -> int:
     """The partition of `key` among `count`, as aiokafka's (and Java's) default partitioner
     picks it for a record sent without one: murmur2 of the key's bytes."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % count
+    return (murmur2(key if key.__class__ is bytes else key.encode()) & 0x7FFFFFFF) % count
 
 
 class TopicCounts:
@@ -104,12 +104,25 @@ class TopicCounts:
             return len(known)
         # One metadata request for every topic, bounded; it names no topic, so it never
         # makes a broker with auto-create on create one.
+        started = time.monotonic()
         try:
             cluster = await asyncio.wait_for(self.client.fetch_all_metadata(), METADATA_WAIT_S)
         except (asyncio.TimeoutError, KafkaError) as exc:
             log.warning("could not look up topic %r: %r", topic, exc)
             return 0
-        return len(cluster.partitions_for_topic(topic) or ())
+        count = len(cluster.partitions_for_topic(topic) or ())
+        if count:
+            # The producer's own metadata tracks the topic from now on, as a send would make
+            # it. Until then `count` took the topic's absence there for a deletion and looked
+            # it up again on every call: a derender's first turn with a new reply topic made
+            # one all-topics request per chunk (226 for one test's 240 chunks; against a
+            # broker with ~5,000 topics, 0.1-0.8 s each, and the loop waited on each).
+            try:
+                await asyncio.wait_for(asyncio.shield(self.client.add_topic(topic)),
+                                       max(0.1, METADATA_WAIT_S - (time.monotonic() - started)))
+            except (asyncio.TimeoutError, KafkaError) as exc:  # (looked up again next time)
+                log.warning("topic %r: the producer's metadata did not take it in: %r", topic, exc)
+        return count
 
     async def _read_limits(self, topics: list[str]) -> None:
         """Read `max.message.bytes` of `topics` with one DescribeConfigs request through the
