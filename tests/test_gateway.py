@@ -125,8 +125,12 @@ def test_fan_out_results_merge_as_openai_does():
 
 
 @contextlib.asynccontextmanager
-async def serving_gateway(settings, tokenizer: str, **config):
-    """`genpipe serve` in this process (uvicorn on a free port); yields (base URL, gateway)."""
+async def serving_gateway(settings, tokenizer: str, send_buffer: int | None = None, **config):
+    """`genpipe serve` in this process (uvicorn on a free port); yields (base URL, gateway).
+    `send_buffer`: the kernel's send buffer of each connection, in bytes (a small one fills
+    at once, whatever the machine's autotuning would give)."""
+    import socket
+
     import uvicorn
 
     from workers.gateway.app import Gateway, GatewayConfig
@@ -134,7 +138,12 @@ async def serving_gateway(settings, tokenizer: str, **config):
     port = free_port()
     gateway = Gateway(settings, GatewayConfig(tokenizer=tokenizer, **{"model_name": "tiny", **config}))
     server = uvicorn.Server(uvicorn.Config(gateway.app(), host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
+    listening = socket.socket()
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)  # (accepted sockets inherit it)
+    listening.bind(("127.0.0.1", port))
+    serving = asyncio.ensure_future(server.serve(sockets=[listening]))
     try:
         deadline = asyncio.get_running_loop().time() + 60
         while not server.started:
@@ -441,6 +450,41 @@ async def test_a_reader_that_falls_behind_is_cut_off_and_its_request_cancelled(k
         cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=10,
                                    until=lambda records: len(records) >= 1)
         assert len(cancels) == 1  # once: not again when the reader left
+
+
+@pytest.mark.kafka
+async def test_a_stream_whose_client_reads_nothing_is_given_up_and_frees_its_slot(kafka_settings, make_topics,
+                                                                                 tiny_model_dir):
+    """An HTTP client that keeps its socket open and reads nothing parks the stream's
+    writer once the socket's buffers are full. The request was cancelled (--max-unread),
+    but the stream kept its --max-in-flight slot until the client closed. Now a write
+    that waits --write-timeout ends the stream: the slot comes back and the request is
+    cancelled, while the client still holds its socket."""
+    import socket
+
+    from schemas import Cancel
+    from tests.kafka_helpers import read_topic, wait_for
+    from workers.kafka.records import decode_message
+
+    await make_topics(kafka_settings, partitions=2)
+    # (max_unread out of the way: the write timeout alone gives the stream up)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.002, write_timeout_s=1.0,
+                             send_buffer=4096, max_unread=100_000) as (base, gateway):
+        body = json.dumps({"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 3000, "ignore_eos": True,
+                           "stream": True}).encode()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window)
+        client.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))  # (loopback: at once)
+        try:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await wait_for(lambda: gateway.in_flight == 1, 30, "the stream under way")
+            await wait_for(lambda: gateway.in_flight == 0, 60, "the stalled stream to give its slot back")
+            cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
+                                       until=lambda records: len(records) >= 1)
+        finally:
+            client.close()
+    assert decode_message(cancels[0], Cancel).reason == "the HTTP stream ended before the request"
 
 
 @pytest.mark.kafka

@@ -56,6 +56,7 @@ class GatewayConfig:
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
     max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
     max_body_bytes: int = 16 << 20  # a request body larger than this: 413, not read further
+    write_timeout_s: float = 60.0  # a stream's client took no bytes for this long: given up
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -156,9 +157,9 @@ class Gateway:
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
-            return StreamingResponse(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
-                                                  parsed.options.get("continuous_usage", False)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
+                                            parsed.options.get("continuous_usage", False)),
+                               self.config.write_timeout_s, choices[0].request_id)
         return await self._complete(request, choices, prompt_of)
 
     def _prompt_ids(self, parsed) -> list[list[int]]:
@@ -340,6 +341,46 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events, given up when the HTTP client stops reading. A client that keeps
+    its socket open but reads nothing parks the stream's writer once the socket's buffers
+    are full; the request is cancelled when `--max-unread` records wait, but the stream
+    held its slot (`--max-in-flight`) until the client closed: 1,024 such clients and every
+    request got 429. Now a write that waits `write_timeout_s` ends the stream: its
+    generator is closed (the slot back, anything still running cancelled) and uvicorn
+    closes the connection."""
+
+    def __init__(self, content, write_timeout_s: float, request_id: str):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.write_timeout_s = write_timeout_s
+        self.request_id = request_id
+
+    async def stream_response(self, send) -> None:
+        task, loop, stalled = asyncio.current_task(), asyncio.get_running_loop(), []
+
+        def give_up() -> None:
+            stalled.append(True)
+            task.cancel()
+
+        async def send_within(message) -> None:
+            # A timer per write (~1 µs; a wait_for per event cost a task each)
+            timer = loop.call_later(self.write_timeout_s, give_up)
+            try:
+                await send(message)
+            finally:
+                timer.cancel()
+
+        try:
+            await super().stream_response(send_within)
+        except asyncio.CancelledError:
+            if not stalled:
+                raise
+            task.uncancel()
+            log.warning("request %s: the HTTP client read nothing for %.0f s; its stream is given up",
+                        self.request_id, self.write_timeout_s)
+            await self.body_iterator.aclose()
 
 
 def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:

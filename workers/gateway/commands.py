@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
         timeout_s=args.timeout, max_unread=args.max_unread,
-        max_body_bytes=args.max_body_mib << 20))
+        max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -100,6 +100,10 @@ def register(sub) -> None:
                        help="largest request body in MiB; a larger one gets 413 and is not read further, so "
                             "one client cannot take the gateway's memory (default %(default)s; a request record "
                             "on the topics holds ~1 MB)")
+    serve.add_argument("--write-timeout", type=at_least(1.0, float), default=60.0,
+                       help="seconds a stream waits for its HTTP client to take bytes (its socket's buffers "
+                            "full) before it is given up: the connection closed, the request cancelled and its "
+                            "--max-in-flight slot freed (default %(default)s)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
                        help="seconds without a result before a request gets 504 (default %(default)s)")
     add_log_level(serve)
