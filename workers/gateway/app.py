@@ -23,12 +23,13 @@ from pathlib import Path
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from schemas.openai import ErrorResponse
 from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
                             render_prompt)
+from workers.gateway.event_stream import EventStream, StallWatch
 from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import KafkaSettings
@@ -80,6 +81,7 @@ class Gateway:
                                     send_timeout_s=config.send_timeout_s, cancel_on_abandon=False,
                                     max_unread=config.max_unread)
         self.in_flight = 0
+        self.stall_watch = StallWatch(config.write_timeout_s)  # streams whose client stopped reading
         self.max_model_len = _max_model_len(config.tokenizer)
 
     async def start(self) -> None:
@@ -89,6 +91,7 @@ class Gateway:
         await self.client.start()
 
     async def close(self) -> None:
+        self.stall_watch.close()
         await self.client.close()
 
     def app(self) -> Starlette:
@@ -159,7 +162,7 @@ class Gateway:
         if parsed.stream:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
                                             parsed.options.get("continuous_usage", False)),
-                               self.config.write_timeout_s, choices[0].request_id)
+                               self.stall_watch, choices[0].request_id)
         return await self._complete(request, choices, prompt_of)
 
     def _prompt_ids(self, parsed) -> list[list[int]]:
@@ -341,46 +344,6 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events, given up when the HTTP client stops reading. A client that keeps
-    its socket open but reads nothing parks the stream's writer once the socket's buffers
-    are full; the request is cancelled when `--max-unread` records wait, but the stream
-    held its slot (`--max-in-flight`) until the client closed: 1,024 such clients and every
-    request got 429. Now a write that waits `write_timeout_s` ends the stream: its
-    generator is closed (the slot back, anything still running cancelled) and uvicorn
-    closes the connection."""
-
-    def __init__(self, content, write_timeout_s: float, request_id: str):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.write_timeout_s = write_timeout_s
-        self.request_id = request_id
-
-    async def stream_response(self, send) -> None:
-        task, loop, stalled = asyncio.current_task(), asyncio.get_running_loop(), []
-
-        def give_up() -> None:
-            stalled.append(True)
-            task.cancel()
-
-        async def send_within(message) -> None:
-            # A timer per write (~1 µs; a wait_for per event cost a task each)
-            timer = loop.call_later(self.write_timeout_s, give_up)
-            try:
-                await send(message)
-            finally:
-                timer.cancel()
-
-        try:
-            await super().stream_response(send_within)
-        except asyncio.CancelledError:
-            if not stalled:
-                raise
-            task.uncancel()
-            log.warning("request %s: the HTTP client read nothing for %.0f s; its stream is given up",
-                        self.request_id, self.write_timeout_s)
-            await self.body_iterator.aclose()
 
 
 def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:
