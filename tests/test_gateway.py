@@ -526,6 +526,27 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
 
 
 @pytest.mark.kafka
+async def test_a_gateway_whose_reply_reader_failed_says_so_on_health(kafka_settings, make_topics, tiny_model_dir):
+    """The gateway reads every answer through one consumer. Once that reader fails, every
+    request gets 503, but /health still said ok, so a load balancer kept sending traffic
+    to a gateway that could answer none of it. Here the reader's consumer is stopped
+    under it (aiokafka then raises in its poll)."""
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir) as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        assert (await http.get("/health")).status_code == 200
+        await gateway.client._consumer.stop()
+        await wait_for(lambda: gateway.client.reader_error is not None, 30, "the reader to fail")
+        health = await http.get("/health")
+        assert health.status_code == 503, health.text
+        assert health.json()["reason"].startswith(f"this gateway's reader of {gateway.reply_topic} failed (")
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 5], "max_tokens": 2})
+        assert r.status_code == 503 and "reader" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.kafka
 async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(kafka_settings, make_topics,
                                                                           tiny_model_dir):
     """--max-body-mib: Starlette read any body into memory, so one client could send

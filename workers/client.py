@@ -158,6 +158,12 @@ class GenpipeClient:
 
                 await stop_producer(producer, CLOSE_WAIT_S, "genpipe client")
 
+    @property
+    def reader_error(self) -> BaseException | None:
+        """Why the reader of the reply topic stopped, once it has failed (every request
+        then raises); None while it reads, or after a plain close()."""
+        return self._closed.error if self._closed is not None else None
+
     def _fail_waiting(self, error: BaseException | None) -> None:
         self._closed = _Closed(error)
         for mailbox in self._waiting.values():

@@ -329,21 +329,26 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         from workers.kafka.groups import missing_workers
 
+        failed = self.client.reader_error
+        if failed is not None:  # every request gets 503 until the gateway is restarted
+            return _unavailable(f"this gateway's reader of {self.reply_topic} failed ({failed!r}); restart it")
         try:
             missing = await asyncio.wait_for(missing_workers(self.settings, raise_errors=True), 10)
         except Exception as exc:  # Kafka unreachable: nothing can be served
-            reason = f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}"
-            return Response(_json.encode({"status": "unavailable", "reason": reason}), status_code=503,
-                            media_type="application/json")
+            return _unavailable(f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}")
         if missing:
-            return Response(_json.encode({"status": "unavailable", "reason": "; ".join(missing)}), status_code=503,
-                            media_type="application/json")
+            return _unavailable("; ".join(missing))
         return Response(_json.encode({"status": "ok"}), media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _unavailable(reason: str) -> Response:
+    return Response(_json.encode({"status": "unavailable", "reason": reason}), status_code=503,
+                    media_type="application/json")
 
 
 def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:
