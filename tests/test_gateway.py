@@ -121,6 +121,45 @@ def test_fan_out_results_merge_as_openai_does():
     assert total_usage([None, UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)], [0, 0]) is None
 
 
+async def test_the_stall_watch_gives_up_a_write_that_waits_not_a_stream_waiting_for_its_first_token():
+    """workers/gateway/event_stream.py on its own (a `send` stand-in for uvicorn's): a
+    request queued longer than --write-timeout before its first token is not a client
+    that stopped reading (it was given up as one); a write that waits that long is."""
+    from workers.gateway.event_stream import EventStream, StallWatch
+
+    closed = []
+
+    async def events(first_after_s: float):
+        try:
+            await asyncio.sleep(first_after_s)  # the engine's queue, before the first token
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    watch = StallWatch(0.2)
+    slow_start = EventStream(events(0.6), watch, "slow-start")
+    await asyncio.wait_for(slow_start.stream_response(send), 10)
+    assert not slow_start.stalled and [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+
+    async def parked_send(message):  # the client's socket full: nothing after the headers leaves
+        sent.append(message)
+        if len(sent) > 1:
+            await asyncio.Event().wait()
+
+    sent.clear()
+    parked = EventStream(events(0), watch, "parked")
+    await asyncio.wait_for(parked.stream_response(parked_send), 10)
+    assert parked.stalled and len(sent) == 2 and closed == [True, True]  # (its generator closed: the slot back)
+    assert not watch.streams
+    watch.close()
+
+
 # --- real HTTP --------------------------------------------------------------------------------
 
 

@@ -382,6 +382,36 @@ async def test_a_reply_topic_found_once_is_not_looked_up_again_before_its_first_
     assert len(whole_cluster_requests) == 1, len(whole_cluster_requests)
 
 
+@pytest.mark.kafka
+async def test_a_topic_known_from_the_first_metadata_stays_known_after_the_producer_sends(kafka_settings,
+                                                                                         make_topics):
+    """A producer's metadata names every topic until it tracks one: a send to a topic it
+    did not know (a client's reply topic, made later) makes it track that one, and from
+    then on its refreshes name only the topics it tracks. A topic counted from the first
+    metadata (the DLQ at a worker's start) then dropped out: its next record paid a
+    whole-cluster lookup, and a lookup that failed raised from the DLQ copy."""
+    from tests.kafka_helpers import create_topic
+    from workers.kafka.clients import make_producer
+    from workers.kafka.publisher import Publisher
+
+    await make_topics(kafka_settings, partitions=2)
+    dlq, reply = kafka_settings.topic("dlq"), f"{kafka_settings.topic_prefix}.reply.later"
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        publisher = Publisher(producer, dlq)
+        await producer.client.force_metadata_update()  # (tracking nothing yet: it names every topic)
+        assert producer.client.cluster.partitions_for_topic(dlq)
+        assert await publisher.partition_count(dlq) == 2
+        await create_topic(kafka_settings, reply)
+        await producer.send_and_wait(reply, b"x", key=b"x")  # aiokafka tracks the reply topic
+        await producer.client.force_metadata_update()
+        assert producer.client.cluster.partitions_for_topic(dlq) == {0, 1}
+        assert publisher.known_partitions(dlq) == 2
+    finally:
+        await producer.stop()
+
+
 def test_a_records_partition_past_its_topics_count_is_its_keys_as_aiokafka_picks_it():
     """A reply topic with fewer partitions than the chunks topic: the publisher sends a
     result to its key's partition (workers/kafka/topic_metadata.py `key_partition`), in a batch

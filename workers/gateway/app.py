@@ -56,7 +56,7 @@ class GatewayConfig:
     send_timeout_s: float = 15.0  # Kafka took no request for this long: 503
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
     max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
-    max_body_bytes: int = 16 << 20  # a request body larger than this: 413, not read further
+    max_body_bytes: int = 16 << 20  # a request body larger than this: 413, not kept
     write_timeout_s: float = 60.0  # a stream's client took no bytes for this long: given up
 
 
@@ -388,8 +388,9 @@ def _timeout(header: str | None, field) -> float | None:
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request's body, at most `limit` bytes: a larger one is refused (413) as soon as
     its Content-Length says so, or once that much of a chunked one has come, and the rest
-    is not read. Starlette's `request.body()` reads any size into memory: one client
-    sending gigabytes took the gateway's memory, every other request's with it."""
+    is not kept (uvicorn reads it and drops it). Starlette's `request.body()` reads any
+    size into memory: one client sending gigabytes took the gateway's memory, every other
+    request's with it."""
     def too_large(declared: str | None) -> BadParameter:
         size = f" ({declared[:30]} bytes)" if declared is not None else ""
         return BadParameter("body", f"the request body{size} is larger than this gateway takes: {limit} bytes "

@@ -97,13 +97,13 @@ def register(sub) -> None:
                             "an error event and its request is cancelled, so a stalled client cannot make "
                             "the gateway grow without end (default %(default)s)")
     serve.add_argument("--max-body-mib", type=at_least(1), default=16,
-                       help="largest request body in MiB; a larger one gets 413 and is not read further, so "
+                       help="largest request body in MiB; a larger one gets 413 and is not kept in memory, so "
                             "one client cannot take the gateway's memory (default %(default)s; a request record "
                             "on the topics holds ~1 MB)")
     serve.add_argument("--write-timeout", type=at_least(1.0, float), default=60.0,
                        help="seconds a stream waits for its HTTP client to take bytes (its socket's buffers "
-                            "full) before it is given up: the connection closed, the request cancelled and its "
-                            "--max-in-flight slot freed (default %(default)s)")
+                            "full) before the stream is given up: the request cancelled and its --max-in-flight "
+                            "slot freed (default %(default)s)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
                        help="seconds without a result before a request gets 504 (default %(default)s)")
     add_log_level(serve)

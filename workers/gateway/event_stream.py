@@ -6,7 +6,10 @@ socket's buffers are full. The request is cancelled when `--max-unread` records 
 (workers/mailbox.py), but the stream held its `--max-in-flight` slot until the client
 closed: 1,024 such clients and every request got 429. A write that has waited
 `--write-timeout` now ends the stream: its generator is closed (the slot back, anything
-still running cancelled) and uvicorn closes the connection.
+still running cancelled), and uvicorn logs "ASGI callable returned without completing
+response" and closes the connection once its buffered bytes are gone: a client that
+never reads keeps its socket, one file descriptor and at most ~64 KB buffered, until it
+closes (ASGI offers no way to abort a connection).
 
 One watch per gateway looks at the open streams a few times per timeout, rather than a
 timer per write: a timer armed and cancelled per event cost the gateway ~8% more CPU per
@@ -43,6 +46,7 @@ class EventStream(StreamingResponse):
         try:
             self.writing_since = time()
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.writing_since = None  # (waiting for the first event is not a stalled write)
             async for chunk in self.body_iterator:  # (bytes: workers/gateway/app.py `_events`)
                 self.writing_since = time()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

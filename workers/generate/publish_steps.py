@@ -159,9 +159,9 @@ class PublishSteps:
         """Whatever the broker says to the error chunk, the request's offset goes (refused
         too, the publisher logs it; the derender then never sees the request end, and keeps
         its state: docs/design.md §5.5).
-        So does it when the producer will not take the chunk at all (a record over its
-        max_request_size raises at once): held, the offset would stop its partition's
-        commits for good."""
+        So does it when the publisher will not take the chunk at all (its topic gone:
+        TopicUnavailable; a KafkaError at once): held, the offset would stop its
+        partition's commits for good."""
         try:
             future = await self.publisher.publish(record)
         except Exception as exc:  # (KafkaError, TopicUnavailable: nothing was sent)

@@ -101,10 +101,13 @@ class TopicCounts:
     async def _lookup(self, topic: str) -> int:
         known = self.client.cluster.partitions_for_topic(topic)
         if known:
+            # (known from metadata that named every topic: tracked from now on, or the
+            # producer's next refresh, which names only its tracked topics, drops it)
+            self.client.add_topic(topic)
             return len(known)
         # One metadata request for every topic, bounded; it names no topic, so it never
         # makes a broker with auto-create on create one.
-        started = time.monotonic()
+        deadline = time.monotonic() + METADATA_WAIT_S
         try:
             cluster = await asyncio.wait_for(self.client.fetch_all_metadata(), METADATA_WAIT_S)
         except (asyncio.TimeoutError, KafkaError) as exc:
@@ -112,17 +115,25 @@ class TopicCounts:
             return 0
         count = len(cluster.partitions_for_topic(topic) or ())
         if count:
-            # The producer's own metadata tracks the topic from now on, as a send would make
-            # it. Until then `count` took the topic's absence there for a deletion and looked
-            # it up again on every call: a derender's first turn with a new reply topic made
-            # one all-topics request per chunk (226 for one test's 240 chunks; against a
-            # broker with ~5,000 topics, 0.1-0.8 s each, and the loop waited on each).
-            try:
-                await asyncio.wait_for(asyncio.shield(self.client.add_topic(topic)),
-                                       max(0.1, METADATA_WAIT_S - (time.monotonic() - started)))
-            except (asyncio.TimeoutError, KafkaError) as exc:  # (looked up again next time)
-                log.warning("topic %r: the producer's metadata did not take it in: %r", topic, exc)
+            await self._track(topic, deadline)
         return count
+
+    async def _track(self, topic: str, deadline: float) -> None:
+        """The producer's own metadata tracks `topic` from now on, as a send would make it.
+        Until then `count` took the topic's absence there for a deletion and looked it up
+        again on every call: a derender's first turn with a new reply topic made one
+        whole-cluster request per chunk (226 for one test's 240 chunks; against a broker
+        with ~5,000 topics, 0.1-0.8 s each, the loop waiting on each). `add_topic` may
+        hand back an update already under way, which does not name the topic: then one
+        more (bounded by `deadline`; past it, looked up again next time)."""
+        for update in (lambda: self.client.add_topic(topic), self.client.force_metadata_update):
+            try:
+                await asyncio.wait_for(asyncio.shield(update()), max(0.1, deadline - time.monotonic()))
+            except (asyncio.TimeoutError, KafkaError) as exc:
+                log.warning("topic %r: the producer's metadata did not take it in: %r", topic, exc)
+                return
+            if self.client.cluster.partitions_for_topic(topic) is not None:
+                return
 
     async def _read_limits(self, topics: list[str]) -> None:
         """Read `max.message.bytes` of `topics` with one DescribeConfigs request through the
