@@ -92,9 +92,10 @@ class Producer:
                 return appended
 
         self.sink, self.create_batch = sink, Batch
-        # (no broker to describe a topic's max.message.bytes: no node, no limits)
+        # (no broker to describe a topic's max.message.bytes: no node, no limits; every
+        # topic known, and tracked when the publisher asks: workers/kafka/topic_metadata.py)
         self.client = SimpleNamespace(cluster=SimpleNamespace(partitions_for_topic=lambda topic: set(range(8))),
-                                      get_random_node=lambda: None)
+                                      get_random_node=lambda: None, add_topic=lambda topic: None)
 
     async def send_batch(self, batch, topic: str, partition: int):
         self.sink.extend((topic, key, value, headers) for key, value, headers in batch.kept)
