@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 from aiokafka import TopicPartition
@@ -13,7 +14,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from schemas import JSON, Cancel, ChatCompletionChunk, ErrorResponse, OutputOptions, encode, headers_for
 from schemas.openai import OpenAIResult
 from tests.derender_support import encode_ids, make_chunks, position
-from tests.kafka_helpers import committed_offsets, read_topic
+from tests.kafka_helpers import committed_offsets, read_to_end, read_topic
 from workers.cli import main
 from workers.client import decode_result
 from workers.derender.service import DerenderWorkerConfig, run_derender_worker
@@ -357,3 +358,80 @@ async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looke
         assert handler.offsets.partitions() == [] and handler._pending == []
     finally:
         await producer.stop()
+
+
+async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_partition_commits_on(
+        kafka_settings, make_topics, tiny_model_dir, tmp_path):
+    # "stalled" sends its first chunk and then nothing for 3 s of its partition's log time
+    # (the chunks' timestamps) while "other" goes on: with --stalled-request-s 2 it ends
+    # with an error result and a cancel, and its first chunk no longer pins the commit
+    # (before, it did until a restart, which replayed the partition from there). Its late
+    # final chunk is dropped. "slow" is alone on its partition: its own next chunk comes
+    # 10 s of log time later, with nothing between, and it goes on.
+    await make_topics(kafka_settings, partitions=2)
+    tables = Derenderer(str(tiny_model_dir)).tables
+    ids = encode_ids(tables, "one two three four five six")
+    stream = OutputOptions(kind="completion", stream=True)
+    stalled = make_chunks("stalled", ids, [2, len(ids) - 2], output=stream)
+    other = make_chunks("other", ids, output=stream)
+    slow = make_chunks("slow", ids, [3, len(ids) - 3], output=stream)
+    t0 = int(time.time() * 1000)
+    timed = ([(stalled[0], 0, t0), (slow[0], 1, t0)] + [(c, 0, t0 + 1000 * i) for i, c in enumerate(other)]
+             + [(stalled[1], 0, t0 + 1000 * len(other)), (slow[1], 1, t0 + 10_000)])
+    expected_other = expected_results(tiny_model_dir, {"other": other})["other"]
+    expected_slow = expected_results(tiny_model_dir, {"slow": slow})["slow"]
+    group = f"{kafka_settings.topic_prefix}-der"
+    tps = [TopicPartition(kafka_settings.topic("chunks"), p) for p in (0, 1)]
+    ends = {tps[0]: 2 + len(other), tps[1]: 2}
+
+    stop, task = await start_worker(kafka_settings, tiny_model_dir, stalled_request_s=2.0)
+    try:
+        producer = make_producer(kafka_settings)
+        await producer.start()
+        try:
+            for chunk, partition, timestamp in timed:
+                await producer.send(kafka_settings.topic("chunks"), encode(chunk), key=chunk.request_id.encode(),
+                                    headers=headers_for(chunk), partition=partition, timestamp_ms=timestamp)
+            await producer.flush()
+        finally:
+            await producer.stop()
+        deadline = time.monotonic() + 60
+        while {tp: c.offset for tp, c in (await committed_offsets(kafka_settings, group, tps)).items()} != ends:
+            assert time.monotonic() < deadline, "the group did not commit past every chunk"
+            await asyncio.sleep(0.1)
+        records = await read_topic(kafka_settings, kafka_settings.topic("results"),
+                                   until=all_final({"stalled", "other", "slow"}))
+        cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 60) == 0
+    records = await read_to_end(kafka_settings, kafka_settings.topic("results"))  # the late chunk's handled too
+    got, keys = {}, {}
+    for record in records:
+        headers = dict(record.headers)
+        got.setdefault(record.key.decode(), []).append(decode_result(record.value, record.headers))
+        keys.setdefault(record.key.decode(), []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
+                                                         HEADER_FINAL in headers))
+    assert got["other"] == expected_other and got["slow"] == expected_slow
+    assert keys["stalled"] == [("a1", 0, False), ("a1", 1, True)]  # one final: the error
+    error = got["stalled"][1]
+    assert isinstance(error, ErrorResponse)
+    assert "no output for request 'stalled' for 2 s of its partition's log" in error.error.message
+    assert [(c.key, decode_record(c.value, c.headers, Cancel).request_id) for c in cancels] == [
+        (b"stalled", "stalled")]
+
+    # a replay with the workers' setting ends the same request at the same chunk
+    out_file = tmp_path / "replayed.jsonl"
+    rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", kafka_settings.bootstrap_servers,
+                                        "--topic-prefix", kafka_settings.topic_prefix, "--from", "0",
+                                        "--tokenizer", str(tiny_model_dir), "--stalled-request-s", "2",
+                                        "--out", str(out_file)])
+    assert rc == 0
+    replayed: dict[str, list] = {}
+    for line in out_file.read_bytes().splitlines():
+        entry = json.loads(line)
+        replayed.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
+    worker: dict[str, list] = {}
+    for r in records:
+        worker.setdefault(r.key.decode(), []).append((json.loads(r.value), {k: v.decode() for k, v in r.headers}))
+    assert replayed == worker

@@ -9,6 +9,7 @@ import os
 import sys
 
 from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of
+from workers.derender.commands import add_stalled_request_option
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.generate.stall import ENGINE_STALL_S
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
@@ -124,7 +125,7 @@ def _run_derender(args: argparse.Namespace) -> int:
         group_id=args.group_id or f"{settings.topic_prefix}-derender",
         grace_s=args.grace_period if args.grace_period is not None else 10.0,
         commit_interval_s=args.commit_interval_ms / 1000, max_record_bytes=args.max_record_bytes,
-        reply_topic_pattern=args.reply_topic_pattern)
+        reply_topic_pattern=args.reply_topic_pattern, stalled_request_s=args.stalled_request_s)
     return _serve_with_metrics(args, run_derender_worker(settings, config, on_ready=_ready("derender")))
 
 
@@ -282,5 +283,6 @@ def register(sub) -> None:
                           "the built-in tiny model's)")
     der.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
                      help="`model` in results when the request names none (default %(default)s)")
+    add_stalled_request_option(der)
     _common(der)
     der.set_defaults(func=_run_derender)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from workers.cli_options import add_max_logprobs
+from workers.cli_options import add_max_logprobs, at_least
+from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S
 from workers.derender.state import DEFAULT_MODEL_NAME
 
 
@@ -17,6 +19,19 @@ def add_derender_options(p: argparse.ArgumentParser) -> None:
                    help="`model` of results whose request did not name one (default: %(default)s, "
                         "as the derender worker)")
     add_max_logprobs(p)
+
+
+def add_stalled_request_option(p: argparse.ArgumentParser) -> None:
+    """The worker's and `genpipe replay`'s (which ends the same requests where it did)."""
+    p.add_argument("--stalled-request-s", type=at_least(0.0, float),
+                   default=os.environ.get("GENPIPE_STALLED_REQUEST_S", f"{DEFAULT_STALLED_REQUEST_S:g}"),
+                   help="end a request with an error result and a cancel once no chunk of it came for this "
+                        "many seconds of its partition's log time while other requests' chunks went on (env "
+                        "GENPIPE_STALLED_REQUEST_S; default %(default)s; 0: never). Until it ends, its first "
+                        "chunk pins the partition's commit: a restart replays the partition from there. Log "
+                        "time (the chunks' timestamps), not the clock: a broker away or a worker stopped ages "
+                        "no request. A request that a generate worker's failover restarts waits in the new "
+                        "worker's queue: keep this above the longest such wait (docs/design.md §5.5)")
 
 
 def register(subparsers) -> None:

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from workers.cli_options import at_least, quiet_kafka_logs, resolve_topic, topic_arg
-from workers.derender.commands import add_derender_options
+from workers.derender.commands import add_derender_options, add_stalled_request_option
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.startup import one_line
 
@@ -63,6 +63,7 @@ def register(subparsers) -> None:
                    help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
                         "%(default)s): a result over it becomes the same error result the worker published")
     add_derender_options(p)
+    add_stalled_request_option(p)
     KafkaSettings.add_arguments(p)
     p.set_defaults(func=run_replay)
 
@@ -140,6 +141,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
     """Re-derender the chunk range; results to `args.to_topic` or `sink`; the summary."""
     from schemas import JSON, GenerateChunk, RecordError
     from workers.derender.filemode import result_line
+    from workers.derender.stalls import StalledRequests
     from workers.derender.state import Result
     from workers.derender.undeliverable import within_record_limit
     from workers.kafka.clients import make_consumer, make_producer, start_client
@@ -165,6 +167,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
             await start_client(producer, settings)
             publisher = Publisher(producer, settings.topic("dlq"), args.max_record_bytes)
         skipped: set[str] = set()
+        stalls = StalledRequests(args.stalled_request_s) if args.stalled_request_s > 0 else None
         failures: list = []
         last_progress = time.monotonic()
         async for records in batches(consumer, poll_ms=200, until=stop):
@@ -185,10 +188,19 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                     continue
                 summary["chunks"] += 1
                 rid = chunk.request_id
+                outputs = []
                 if rid in skipped:
-                    continue
-                if chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
+                    pass
+                elif chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
                     skipped.add(rid)  # began before the range: cannot be rebuilt
+                else:
+                    outputs = derenderer.process(chunk)
+                if stalls is not None:  # the requests the worker ended at this chunk, as it did (first)
+                    stalled = stalls.chunk(message.partition, rid, message.timestamp, derenderer.is_active(rid))
+                    if stalled:
+                        outputs = [o for sid in stalled for o in derenderer.end_stalled(sid, args.stalled_request_s)
+                                   ] + outputs
+                if not outputs:
                     continue
 
                 def to_record(output, partition=message.partition) -> Outgoing:
@@ -197,8 +209,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                     return Outgoing(args.to_topic or "", output.request_id, output.value, JSON,
                                     headers=output.headers, partition=partition)
 
-                for output, record in within_record_limit(derenderer, derenderer.process(chunk),
-                                                          to_record, args.max_record_bytes):
+                for output, record in within_record_limit(derenderer, outputs, to_record, args.max_record_bytes):
                     if not isinstance(output, Result):
                         continue  # a stop-string cancel: the live pipeline sent it already
                     summary["results"] += 1

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
+from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.derender.worker import DerenderHandler
 from schemas.validation import DEFAULT_MAX_LOGPROBS
@@ -26,6 +27,7 @@ class DerenderWorkerConfig:
     commit_interval_s: float = 0.5
     max_record_bytes: int = MAX_RECORD_BYTES  # largest result record published (see publisher)
     reply_topic_pattern: str | None = None  # None: workers.kafka.reply_topics.DEFAULT_PATTERN
+    stalled_request_s: float = DEFAULT_STALLED_REQUEST_S  # 0: never (workers/derender/stalls.py)
 
 
 def load_derenderer(config: DerenderWorkerConfig):
@@ -46,7 +48,8 @@ async def run_derender_worker(settings: KafkaSettings, config: DerenderWorkerCon
     rule = reply_topic_rule(settings.topic_prefix, config.reply_topic_pattern)
 
     def make_handler(publisher, offsets):
-        return DerenderHandler(settings, publisher, offsets, derenderer, rule)
+        return DerenderHandler(settings, publisher, offsets, derenderer, rule,
+                               stalled_request_s=config.stalled_request_s)
 
     return await serve(settings, topic=settings.topic("chunks"), group_id=config.group_id,
                        make_handler=make_handler, stop=stop, grace_s=config.grace_s, on_ready=on_ready,

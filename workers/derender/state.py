@@ -82,6 +82,7 @@ class Stats:
     rule_errors: int = 0
     render_failures: int = 0  # chunks whose rendering raised (the request ended with an error)
     stop_matches: int = 0
+    stalled: int = 0  # requests ended because their chunks stopped coming (stalls.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -180,6 +181,26 @@ class Derenderer:
             self._mark_finished(rid, req.request_offset if req is not None else None)
             out.append(CancelRequest(rid, f"derender error: {message}"))
         return out
+
+    def end_stalled(self, rid: str, timeout_s: float) -> list[Output]:
+        """No chunk of `rid` came for `timeout_s` of its partition's log time while other
+        requests' went on (workers/derender/stalls.py): an error result ends it (the next
+        seq of its attempt, final) and generate is asked to stop it, if it still runs it.
+        A later chunk of it is a finished request's: dropped. None for a request not open."""
+        req = self._active.get(rid)
+        if req is None:
+            return []
+        self.stats.stalled += 1
+        message = (f"derender: no output for request {rid!r} for {timeout_s:g} s of its partition's log "
+                   f"while other requests' went on (generation stalled, or its chunks were lost); "
+                   f"it ends here: send it again")
+        headers = {HEADER_ATTEMPT: req.attempt, HEADER_SEQ: str(req.next_seq), HEADER_FINAL: "1"}
+        if req.restart:
+            headers[HEADER_RESTART] = "1"
+        self.stats.results += 1
+        self._mark_finished(rid, req.request_offset)
+        return [Result(rid, req.reply_topic, shaping.error_response(message), headers, True),
+                CancelRequest(rid, f"derender: no chunk for {timeout_s:g} s")]
 
     # --- the state machine -----------------------------------------------------------
     def process(self, chunk: GenerateChunk) -> list[Output]:

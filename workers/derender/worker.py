@@ -24,6 +24,7 @@ from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
 from workers.derender.delivery import Delivery, Sent
+from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S, StalledRequests
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
 from workers.derender.undeliverable import answer_on_default_topic, within_record_limit
 from workers.kafka.loop import Handler
@@ -33,8 +34,9 @@ from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
 from workers.kafka.topic_metadata import key_partition
-from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, REPLY_REFUSED, RESULTS, TOKENS,
-                             HistogramBatch, series)
+from workers.log_digest import LogDigest
+from workers.metrics import (CHUNKS, DERENDER_LATENCY, DLQ, ERRORS, IN_FLIGHT, REPLY_REFUSED, REQUESTS, RESULTS,
+                             TOKENS, HistogramBatch, series)
 
 W = "derender"  # metrics label
 
@@ -55,7 +57,8 @@ def parse_published(metadata: str | None) -> int:
 
 class DerenderHandler(Handler):
     def __init__(self, settings: KafkaSettings, publisher: Publisher, offsets: PartitionOffsets,
-                 derenderer: Derenderer, reply_rule: ReplyTopicRule | None = None):
+                 derenderer: Derenderer, reply_rule: ReplyTopicRule | None = None,
+                 stalled_request_s: float = DEFAULT_STALLED_REQUEST_S):
         self.settings = settings
         self.publisher = publisher
         self.offsets = offsets
@@ -82,6 +85,9 @@ class DerenderHandler(Handler):
         self._tps: dict[int, TopicPartition] = {}  # by partition: one per partition, not per chunk
         self.published = self.delivery.published  # records whose results are acked, by partition
         self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
+        # Requests whose chunks stopped coming, by their partitions' log time (stalls.py).
+        self.stalls = StalledRequests(stalled_request_s) if stalled_request_s > 0 else None
+        self._stalled_log = LogDigest(log, logging.WARNING, "requests ended as stalled")
 
     async def handle(self, message) -> None:
         tp = self._tps.get(message.partition)
@@ -128,7 +134,12 @@ class DerenderHandler(Handler):
             self.request_start[rid] = (tp, self.offsets.hold(message))
         published.seen(message.offset)
         replaying = message.offset < self.publish_from.get(tp, 0)
-        finished = rid in self.request_start and not self.derenderer.is_active(rid)
+        active = self.derenderer.is_active(rid)
+        finished = rid in self.request_start and not active
+        if self.stalls is not None:
+            stalled = self.stalls.chunk(tp.partition, rid, message.timestamp, active)
+            if stalled:
+                self._end_stalled(stalled, tp, message.offset, replaying, published)
         if replaying:
             if finished:
                 self.request_start.pop(rid)[1]()
@@ -148,6 +159,32 @@ class DerenderHandler(Handler):
                 await self._publish_pending()
         elif finished:  # after the results of its earlier chunks, if they still wait here
             self._pending.append(([], tp, message.offset, rid))
+
+    def _end_stalled(self, stalled: list[str], tp: TopicPartition, offset: int, replaying: bool,
+                     published: OffsetTracker) -> None:
+        """End the requests whose chunks stopped coming (stalls.py): an error result and a
+        cancel each, published with the chunk at `offset` (whose log time found them: a
+        replay of the partition finds them at the same chunk), and each one's first chunk
+        released once they are acknowledged, so the partition commits on."""
+        timeout_s = self.stalls.timeout_ms / 1000
+        for rid in stalled:
+            outputs = self.derenderer.end_stalled(rid, timeout_s)
+            if not outputs:
+                continue  # finished meanwhile (a refused result answered)
+            if replaying:
+                start = self.request_start.pop(rid, None)
+                if start is not None:
+                    start[1]()
+                continue
+            series(REQUESTS, W, "stalled").inc()
+            series(ERRORS, W).inc()
+            self._stalled_log.log("request %s: no chunk for %g s of partition %d's log time; ended with an error "
+                                  "result and a cancel", rid, timeout_s, tp.partition)
+            records = self._records(outputs, tp)
+            published.hold(offset)
+            self._counts[2] += 1
+            self._pending.append((records, tp, offset, rid))
+            self._pending_records += len(records)
 
     def _count(self) -> None:
         self._latency.flush()
@@ -298,6 +335,9 @@ class DerenderHandler(Handler):
     async def on_revoked(self, partitions) -> None:
         await self._publish_pending()  # finished work goes out before the loop commits
         revoked = set(partitions)
+        if self.stalls is not None:
+            for tp in revoked:
+                self.stalls.forget(tp.partition)
         dropped = [rid for rid, (tp, _) in self.request_start.items() if tp in revoked]
         self.derenderer.forget(dropped)
         for rid in dropped:
@@ -310,4 +350,5 @@ class DerenderHandler(Handler):
 
     async def drain(self, deadline: float) -> None:
         self.derenderer.render_failures.flush()
+        self._stalled_log.flush()
         await self.publisher.flush_at_shutdown([asyncio.ensure_future(self._publish_pending())])
