@@ -145,6 +145,7 @@ def kafka_bootstrap():
     env = os.environ.get("GENPIPE_BOOTSTRAP_SERVERS")
     if env:
         yield env
+        _delete_test_topics(_base_settings(env))
         return
     choice = os.environ.get("GENPIPE_TEST_KAFKA", "auto")
     if choice not in ("auto", "docker", "local"):
@@ -167,18 +168,57 @@ def kafka_bootstrap():
                     f"engine, or fix the local broker): {exc}", pytrace=False)
     try:
         yield info.bootstrap_servers
+        _delete_test_topics(_base_settings(info.bootstrap_servers))
     finally:
         if not info.reused:  # leave a broker someone else started alone
             broker_down(port=TEST_BROKER_PORT)
 
 
+# The topic prefixes this session's tests were given: their topics go at the session's end.
+_TEST_PREFIXES: list[str] = []
+
+
+def _delete_test_topics(settings: KafkaSettings) -> None:
+    """Delete the topics this session's tests made (each under its test's prefix). The
+    local test broker keeps its data in the genpipe cache across sessions: a developer's
+    had ~5,000 topics after a few weeks, and its whole-cluster metadata answers took
+    0.1-0.8 s (BENCHMARKS.md, "Lone records in lanes, a topic looked up once"). Topics of
+    other sessions, and any made without a test prefix, are left alone; a failure is said,
+    never a test's."""
+    prefixes = tuple(_TEST_PREFIXES)
+    if not prefixes:
+        return
+    from workers.kafka.clients import make_admin
+
+    async def delete() -> int:
+        admin = make_admin(settings)
+        await admin.start()
+        try:
+            names = [t for t in await admin.list_topics() if t.startswith(prefixes)]
+            for i in range(0, len(names), 500):
+                await admin.delete_topics(names[i:i + 500], timeout_ms=30000)
+            return len(names)
+        finally:
+            await admin.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(delete(), 120))
+    except Exception as exc:  # (the tests are over: their verdicts stand)
+        print(f"\nthe tests' topics were left on {settings.bootstrap_servers}: {exc!r}", file=sys.stderr)
+
+
 @pytest.fixture
 def kafka_settings(kafka_bootstrap) -> KafkaSettings:
     """Settings for the session broker with a topic prefix unique to this test."""
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    _TEST_PREFIXES.append(prefix)
+    return dataclasses.replace(_base_settings(kafka_bootstrap), topic_prefix=prefix)
+
+
+def _base_settings(bootstrap_servers: str) -> KafkaSettings:
     # SASL/SSL settings only make sense for the broker GENPIPE_BOOTSTRAP_SERVERS names.
     base = KafkaSettings.from_env() if os.environ.get("GENPIPE_BOOTSTRAP_SERVERS") else KafkaSettings()
-    return dataclasses.replace(base, bootstrap_servers=kafka_bootstrap,
-                               topic_prefix=f"test-{uuid.uuid4().hex[:10]}")
+    return dataclasses.replace(base, bootstrap_servers=bootstrap_servers)
 
 
 async def create_test_topics(settings: KafkaSettings, partitions: int = 8):
