@@ -98,6 +98,28 @@ def all_final(request_ids):
     return lambda records: request_ids <= {r.key.decode() for r in records if HEADER_FINAL in dict(r.headers)}
 
 
+def decoded_by_request(records):
+    """Each request's results (errors included) and their (attempt, seq, final) headers."""
+    got: dict[str, list] = {}
+    keys: dict[str, list] = {}
+    for record in records:
+        headers = dict(record.headers)
+        rid = record.key.decode()
+        got.setdefault(rid, []).append(decode_result(record.value, record.headers))
+        keys.setdefault(rid, []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
+                                         HEADER_FINAL in headers))
+    return got, keys
+
+
+async def replay_to_file(settings, tokenizer_dir, out_file, *options: str) -> list[dict]:
+    """`genpipe replay --from 0 --out FILE OPTIONS...` of the test's chunk topic; its lines."""
+    rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", settings.bootstrap_servers,
+                                        "--topic-prefix", settings.topic_prefix, "--from", "0",
+                                        "--tokenizer", str(tokenizer_dir), *options, "--out", str(out_file)])
+    assert rc == 0
+    return [json.loads(line) for line in out_file.read_bytes().splitlines()]
+
+
 async def start_worker(settings, tokenizer_dir, **config):
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.ensure_future(run_derender_worker(
@@ -199,13 +221,7 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
     assert all(len(r.value) <= 4000 for r in records)
-    got, keys = {}, {}
-    for record in records:
-        headers = dict(record.headers)
-        rid = record.key.decode()
-        got.setdefault(rid, []).append(decode_result(record.value, record.headers))
-        keys.setdefault(rid, []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
-                                         HEADER_FINAL in headers))
+    got, keys = decoded_by_request(records)
     (error,) = got["whole"]  # in place of the final answer, with its headers
     assert isinstance(error, ErrorResponse) and error.error.type == "invalid_request_error"
     assert error.error.message.startswith("derender: result too large: ")
@@ -227,13 +243,8 @@ async def test_results_over_the_record_size_limit_become_error_results_and_nothi
     assert committed[tp].offset == len(chunks)
 
     # a replay with the workers' limit reproduces those records, the errors included
-    out_file = tmp_path / "replayed.jsonl"
-    rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", kafka_settings.bootstrap_servers,
-                                        "--topic-prefix", kafka_settings.topic_prefix, "--from", "0",
-                                        "--tokenizer", str(tiny_model_dir), "--max-record-bytes", "4000",
-                                        "--out", str(out_file)])
-    assert rc == 0
-    replayed = [json.loads(line) for line in out_file.read_bytes().splitlines()]
+    replayed = await replay_to_file(kafka_settings, tiny_model_dir, tmp_path / "replayed.jsonl",
+                                    "--max-record-bytes", "4000")
     assert [(r["key"], r["value"]) for r in replayed] == [(r.key.decode(), json.loads(r.value)) for r in records]
 
 
@@ -406,12 +417,7 @@ async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_par
         stop.set()
         assert await asyncio.wait_for(task, 60) == 0
     records = await read_to_end(kafka_settings, kafka_settings.topic("results"))  # the late chunk's handled too
-    got, keys = {}, {}
-    for record in records:
-        headers = dict(record.headers)
-        got.setdefault(record.key.decode(), []).append(decode_result(record.value, record.headers))
-        keys.setdefault(record.key.decode(), []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
-                                                         HEADER_FINAL in headers))
+    got, keys = decoded_by_request(records)
     assert got["other"] == expected_other and got["slow"] == expected_slow
     assert keys["stalled"] == [("a1", 0, False), ("a1", 1, True)]  # one final: the error
     error = got["stalled"][1]
@@ -421,15 +427,9 @@ async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_par
         (b"stalled", "stalled")]
 
     # a replay with the workers' setting ends the same request at the same chunk
-    out_file = tmp_path / "replayed.jsonl"
-    rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", kafka_settings.bootstrap_servers,
-                                        "--topic-prefix", kafka_settings.topic_prefix, "--from", "0",
-                                        "--tokenizer", str(tiny_model_dir), "--stalled-request-s", "2",
-                                        "--out", str(out_file)])
-    assert rc == 0
     replayed: dict[str, list] = {}
-    for line in out_file.read_bytes().splitlines():
-        entry = json.loads(line)
+    for entry in await replay_to_file(kafka_settings, tiny_model_dir, tmp_path / "replayed.jsonl",
+                                      "--stalled-request-s", "2"):
         replayed.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
     worker: dict[str, list] = {}
     for r in records:
