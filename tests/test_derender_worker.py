@@ -285,7 +285,7 @@ async def test_cancels_for_stop_strings_reach_their_keys_partitions_once_each(ka
     assert sum(committed[tp].offset for tp in tps) == sum(len(chunks) for chunks in requests.values())
 
 
-async def _handler_with_producer(settings, tokenizer_dir):
+async def _handler_with_producer(settings, tokenizer_dir, **options):
     """The derender's handler on a real producer, as `serve` builds it; the test hands it
     records as the consumer loop does."""
     from workers.derender.worker import DerenderHandler
@@ -295,7 +295,7 @@ async def _handler_with_producer(settings, tokenizer_dir):
     producer = make_producer(settings)
     await producer.start()
     handler = DerenderHandler(settings, Publisher(producer, settings.topic("dlq")), PartitionOffsets(),
-                              Derenderer(str(tokenizer_dir)))
+                              Derenderer(str(tokenizer_dir)), **options)
     return producer, handler
 
 
@@ -374,21 +374,23 @@ async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looke
 async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_partition_commits_on(
         kafka_settings, make_topics, tiny_model_dir, tmp_path):
     # "stalled" sends its first chunk and then nothing for 3 s of its partition's log time
-    # (the chunks' timestamps) while "other" goes on: with --stalled-request-s 2 it ends
-    # with an error result and a cancel, and its first chunk no longer pins the commit
-    # (before, it did until a restart, which replayed the partition from there). Its late
-    # final chunk is dropped. "slow" is alone on its partition: its own next chunk comes
-    # 10 s of log time later, with nothing between, and it goes on.
+    # (the chunks' timestamps) while "other" goes on, a chunk every 0.1 s: with
+    # --stalled-request-s 2 it ends with an error result and a cancel, and its first chunk
+    # no longer pins the commit (before, it did until a restart, which replayed the
+    # partition from there). Its late final chunk is dropped. "slow" is alone on its
+    # partition: its own next chunk comes 10 s of log time later, with nothing between (a
+    # gap counts 0.2 s at most), and it goes on.
     await make_topics(kafka_settings, partitions=2)
     tables = Derenderer(str(tiny_model_dir)).tables
     ids = encode_ids(tables, "one two three four five six")
     stream = OutputOptions(kind="completion", stream=True)
     stalled = make_chunks("stalled", ids, [2, len(ids) - 2], output=stream)
-    other = make_chunks("other", ids, output=stream)
+    other = make_chunks("other", ids * 5, output=stream)
     slow = make_chunks("slow", ids, [3, len(ids) - 3], output=stream)
     t0 = int(time.time() * 1000)
-    timed = ([(stalled[0], 0, t0), (slow[0], 1, t0)] + [(c, 0, t0 + 1000 * i) for i, c in enumerate(other)]
-             + [(stalled[1], 0, t0 + 1000 * len(other)), (slow[1], 1, t0 + 10_000)])
+    timed = ([(stalled[0], 0, t0), (slow[0], 1, t0)] + [(c, 0, t0 + 100 * (i + 1)) for i, c in enumerate(other)]
+             + [(stalled[1], 0, t0 + 100 * (len(other) + 1)), (slow[1], 1, t0 + 10_000)])
+    assert len(other) * 100 > 2000
     expected_other = expected_results(tiny_model_dir, {"other": other})["other"]
     expected_slow = expected_results(tiny_model_dir, {"slow": slow})["slow"]
     group = f"{kafka_settings.topic_prefix}-der"
@@ -435,3 +437,47 @@ async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_par
     for r in records:
         worker.setdefault(r.key.decode(), []).append((json.loads(r.value), {k: v.decode() for k, v in r.headers}))
     assert replayed == worker
+
+
+async def test_a_stalled_request_s_error_keeps_to_the_reply_topic_rule_and_a_hold_left_behind_goes(
+        kafka_settings, make_topics, tiny_model_dir):
+    """Two more ends of the stall check. "foreign" is not streamed and names the requests
+    topic as its reply topic (a seq 0 from another producer: generate holds requests to the
+    rule, this chunk did not come through it); it published nothing, so its reply topic
+    was never checked, and its error must go to the results topic, not there. "answered"
+    was ended another way (a refused result answered in its place) and no chunk of it came
+    since: the hold of its first chunk must go (it pinned the commit for good)."""
+    from aiokafka.structs import ConsumerRecord
+
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir, stalled_request_s=1.0)
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    ids = encode_ids(handler.derenderer.tables, "one two three")
+    foreign = make_chunks("foreign", ids, output=OutputOptions(stream=False),
+                          reply_topic=kafka_settings.topic("requests"))
+    answered = make_chunks("answered", ids, output=OutputOptions(stream=True))
+    other = make_chunks("other", ids * 10, output=OutputOptions(stream=True))
+    t0 = int(time.time() * 1000)
+    timed = [(foreign[0], t0), (answered[0], t0)] + [(c, t0 + 100 * (i + 1)) for i, c in enumerate(other)]
+    try:
+        tracker = handler.offsets.tracker(tp)
+        await handler.on_assigned([tp], {})
+        for offset, (chunk, timestamp) in enumerate(timed):
+            if offset == 2:  # the refusal's answer, as delivery.py gives it
+                handler.derenderer.fail(Result("answered", None, None,
+                                               {HEADER_ATTEMPT: "a1", HEADER_SEQ: "0"}, False), "refused")
+            tracker.seen(offset)
+            await handler.handle(ConsumerRecord(tp.topic, 0, offset, timestamp, 0, chunk.request_id.encode(),
+                                                encode(chunk), None, 0, 0, list(headers_for(chunk))))
+        await handler.tick()
+        await wait_for(lambda: tracker.committable() == len(timed), what="a commit past every chunk")
+        assert handler.request_start == {}
+    finally:
+        await producer.stop()
+    results = await read_topic(kafka_settings, kafka_settings.topic("results"),
+                               until=lambda r: any(x.key == b"foreign" for x in r))
+    [error] = [decode_result(r.value, r.headers) for r in results if r.key == b"foreign"]
+    assert "no output for request 'foreign' for 1 s" in error.error.message
+    assert await read_to_end(kafka_settings, kafka_settings.topic("requests")) == []

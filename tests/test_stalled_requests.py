@@ -12,12 +12,12 @@ from workers.derender.state import Derenderer
 
 
 def test_a_request_is_stalled_once_other_chunks_carry_its_partition_past_the_timeout():
-    stalls = StalledRequests(timeout_s=2.0)
+    stalls = StalledRequests(timeout_s=2.0)  # (one gap between records counts at most 0.2 s)
     assert list(stalls.chunk(0, "a", 10_000, True)) == []
-    assert list(stalls.chunk(0, "b", 11_000, True)) == []
-    assert list(stalls.chunk(0, "b", 12_000, True)) == []  # a: 2.0 s, not past
+    for t in range(10_100, 12_001, 100):  # b's chunks every 0.1 s, to 2.0 s past a's
+        assert list(stalls.chunk(0, "b", t, True)) == []
     assert list(stalls.chunk(0, "b", 12_001, True)) == ["a"]
-    assert list(stalls.chunk(0, "b", 20_000, True)) == []  # said once; b's own chunks keep it going
+    assert list(stalls.chunk(0, "b", 12_100, True)) == []  # said once; b's own chunks keep it going
     assert stalls.open_requests(0) == 1
 
 
@@ -29,27 +29,42 @@ def test_log_time_is_per_partition_and_a_request_s_own_late_chunk_keeps_it():
     assert stalls.open_requests(0) == 1
 
 
+def test_a_pause_of_the_whole_partition_counts_one_gap():
+    # A broker away for an hour, or generate paused: the first chunk after it is an hour
+    # newer, and the requests whose next chunks are right behind it must not end.
+    stalls = StalledRequests(timeout_s=1800.0)  # a gap counts at most 60 s
+    stalls.chunk(0, "a", 10_000, True)
+    stalls.chunk(0, "b", 10_100, True)
+    assert list(stalls.chunk(0, "b", 10_100 + 3_600_000, True)) == []
+    assert list(stalls.chunk(0, "a", 10_200 + 3_600_000, True)) == []
+    # and a first record without a timestamp does not make the first real one a jump
+    stalls = StalledRequests(timeout_s=2.0)
+    stalls.chunk(0, "a", -1, True)
+    assert list(stalls.chunk(0, "b", 1_700_000_000_000, True)) == []
+    assert list(stalls.chunk(0, "b", -1, True)) == []
+
+
 def test_a_finished_request_is_forgotten_and_an_old_timestamp_does_not_turn_time_back():
     stalls = StalledRequests(timeout_s=2.0)
     stalls.chunk(0, "a", 10_000, True)
-    stalls.chunk(0, "a", 10_500, False)  # its final chunk
-    stalls.chunk(0, "b", 11_000, True)
+    stalls.chunk(0, "a", 10_100, False)  # its final chunk
+    stalls.chunk(0, "b", 10_200, True)
     # A generate host whose clock runs behind: its chunk is marked with the partition's
     # time when read, not its own, so it is not aged by the other hosts' clocks.
     stalls.chunk(0, "c", 1_000, True)
-    assert list(stalls.chunk(0, "d", 13_000, True)) == []
-    assert list(stalls.chunk(0, "d", 13_001, True)) == ["b", "c"]
-    assert list(stalls.chunk(0, "d", 13_002, True)) == []
+    for t in range(10_300, 12_201, 100):
+        assert list(stalls.chunk(0, "d", t, True)) == []
+    assert list(stalls.chunk(0, "d", 12_201, True)) == ["b", "c"]
+    assert list(stalls.chunk(0, "d", 12_202, True)) == []
 
 
-def test_a_revoked_partition_starts_afresh_and_no_timestamp_ages_nothing():
-    stalls = StalledRequests(timeout_s=1.0)
+def test_a_revoked_partition_starts_afresh():
+    stalls = StalledRequests(timeout_s=0.5)
     stalls.chunk(0, "a", 10_000, True)
     stalls.forget(0)
-    assert list(stalls.chunk(0, "b", 20_000, True)) == []  # a was the revoked partition's
-    stalls = StalledRequests(timeout_s=1.0)
-    stalls.chunk(0, "a", -1, True)  # (a record without a timestamp)
-    assert list(stalls.chunk(0, "b", -1, True)) == []
+    for t in range(10_000, 11_001, 50):
+        assert list(stalls.chunk(0, "b", t, True)) == []  # a was the revoked partition's
+    assert stalls.open_requests(0) == 1
 
 
 def test_a_stalled_request_ends_with_an_error_result_and_a_cancel_and_its_late_chunks_are_dropped(tiny_model_dir):

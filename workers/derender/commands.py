@@ -29,9 +29,10 @@ def add_stalled_request_option(p: argparse.ArgumentParser) -> None:
                         "many seconds of its partition's log time while other requests' chunks went on (env "
                         "GENPIPE_STALLED_REQUEST_S; default %(default)s; 0: never). Until it ends, its first "
                         "chunk pins the partition's commit: a restart replays the partition from there. Log "
-                        "time (the chunks' timestamps), not the clock: a broker away or a worker stopped ages "
-                        "no request. A request that a generate worker's failover restarts waits in the new "
-                        "worker's queue: keep this above the longest such wait (docs/design.md §5.5)")
+                        "time (the chunks' timestamps), not the clock, in which one gap between records counts "
+                        "a tenth of this at most: a worker stopped ages no request, a broker away or generate "
+                        "paused ages it by one gap. A request that a generate worker's failover restarts waits "
+                        "in the new worker's queue: keep this above the longest such wait (docs/design.md §5.5)")
 
 
 def register(subparsers) -> None:

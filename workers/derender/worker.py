@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Callable
 
+import msgspec
 from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
@@ -87,6 +88,7 @@ class DerenderHandler(Handler):
         self.publish_from: dict[TopicPartition, int] = {}  # replay: below this, results went out before
         # Requests whose chunks stopped coming, by their partitions' log time (stalls.py).
         self.stalls = StalledRequests(stalled_request_s) if stalled_request_s > 0 else None
+        self._stall_check = self.stalls.chunk if self.stalls is not None else None  # (once per chunk)
         self._stalled_log = LogDigest(log, logging.WARNING, "requests ended as stalled")
 
     async def handle(self, message) -> None:
@@ -136,8 +138,8 @@ class DerenderHandler(Handler):
         replaying = message.offset < self.publish_from.get(tp, 0)
         active = self.derenderer.is_active(rid)
         finished = rid in self.request_start and not active
-        if self.stalls is not None:
-            stalled = self.stalls.chunk(tp.partition, rid, message.timestamp, active)
+        if self._stall_check is not None:
+            stalled = self._stall_check(message.partition, rid, message.timestamp, active)
             if stalled:
                 self._end_stalled(stalled, tp, message.offset, replaying, published)
         if replaying:
@@ -169,17 +171,27 @@ class DerenderHandler(Handler):
         timeout_s = self.stalls.timeout_ms / 1000
         for rid in stalled:
             outputs = self.derenderer.end_stalled(rid, timeout_s)
-            if not outputs:
-                continue  # finished meanwhile (a refused result answered)
             if replaying:
                 start = self.request_start.pop(rid, None)
                 if start is not None:
                     start[1]()
                 continue
+            if not outputs:
+                # Finished meanwhile another way (a refused result answered in its place),
+                # and no chunk of it came since to release its hold: it goes now, as it
+                # would have with that chunk.
+                if rid in self.request_start:
+                    self._pending.append(([], tp, offset, rid))
+                continue
             series(REQUESTS, W, "stalled").inc()
             series(ERRORS, W).inc()
             self._stalled_log.log("request %s: no chunk for %g s of partition %d's log time; ended with an error "
                                   "result and a cancel", rid, timeout_s, tp.partition)
+            # A request not streamed published nothing yet, so its reply topic was never
+            # held to the deployment's rule (a seq 0 from another producer may name any).
+            topic = outputs[0].reply_topic
+            if topic and topic != self.results_topic and self.reply_rule.problem(topic) is not None:
+                outputs = [msgspec.structs.replace(o, reply_topic=None) if type(o) is Result else o for o in outputs]
             records = self._records(outputs, tp)
             published.hold(offset)
             self._counts[2] += 1
