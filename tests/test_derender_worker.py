@@ -111,6 +111,19 @@ def decoded_by_request(records):
     return got, keys
 
 
+async def set_topic_config(settings, topic: str, configs: dict[str, str]) -> None:
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from workers.kafka.clients import make_admin
+
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs=configs)])
+    finally:
+        await admin.close()
+
+
 async def replay_to_file(settings, tokenizer_dir, out_file, *options: str) -> list[dict]:
     """`genpipe replay --from 0 --out FILE OPTIONS...` of the test's chunk topic; its lines."""
     rc = await asyncio.to_thread(main, ["replay", "--bootstrap-servers", settings.bootstrap_servers,
@@ -379,8 +392,10 @@ async def test_a_request_whose_chunks_stop_coming_ends_with_an_error_and_its_par
     # no longer pins the commit (before, it did until a restart, which replayed the
     # partition from there). Its late final chunk is dropped. "slow" is alone on its
     # partition: its own next chunk comes 10 s of log time later, with nothing between (a
-    # gap counts 0.2 s at most), and it goes on.
+    # gap counts 0.2 s at most), and it goes on. The chunks carry the test's times: the
+    # topic is set to keep the producer's (a deployment's keeps the broker's, below).
     await make_topics(kafka_settings, partitions=2)
+    await set_topic_config(kafka_settings, kafka_settings.topic("chunks"), {"message.timestamp.type": "CreateTime"})
     tables = Derenderer(str(tiny_model_dir)).tables
     ids = encode_ids(tables, "one two three four five six")
     stream = OutputOptions(kind="completion", stream=True)
@@ -481,3 +496,21 @@ async def test_a_stalled_request_s_error_keeps_to_the_reply_topic_rule_and_a_hol
     [error] = [decode_result(r.value, r.headers) for r in results if r.key == b"foreign"]
     assert "no output for request 'foreign' for 1 s" in error.error.message
     assert await read_to_end(kafka_settings, kafka_settings.topic("requests")) == []
+
+
+async def test_the_chunk_log_keeps_the_broker_s_time_not_a_producer_s(kafka_settings, make_topics):
+    """What the stalled-request check reads its time from (workers/derender/stalls.py):
+    `genpipe topics create` makes the chunks topic with LogAppendTime, so a producer whose
+    clock is half an hour ahead does not move it (with the producer's time, that record
+    held the check off on its partition for half an hour; Kafka 4 refuses times more than
+    an hour ahead, `message.timestamp.after.max.ms`)."""
+    await make_topics(kafka_settings, partitions=1)
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    now = int(time.time() * 1000)
+    try:
+        await producer.send_and_wait(kafka_settings.topic("chunks"), b"x", timestamp_ms=now + 1_800_000)
+    finally:
+        await producer.stop()
+    [record] = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=lambda r: len(r) >= 1)
+    assert record.timestamp_type == 1 and abs(record.timestamp - now) < 60_000

@@ -220,22 +220,27 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
     # a streamed request whose second result is over it (its first may share its batch, and go with it)
     streamed = make_chunks("streamed", ids[:42], [1, 40, 1], positions=logprobs[:42], prompt_tail=[1, 5],
                            reply_topic=small_topic, output=OutputOptions(kind="chat", stream=True, top_logprobs=5))
+    # the same, but its last chunk never comes (generate stops it on the error's cancel):
+    # the error must release its first chunk's hold, which waited for that chunk before
+    cut = make_chunks("cut", ids[:42], [1, 40, 1], positions=logprobs[:42], prompt_tail=[1, 5],
+                      reply_topic=small_topic, output=OutputOptions(kind="chat", stream=True, top_logprobs=5))[:2]
     default = make_chunks("default", ids[:3], [1, 2], prompt_tail=[1, 5])
     # one answered there before: the broker knows the derender's producer on that partition
     before = make_chunks("before", ids[:3], [1, 2], prompt_tail=[1, 5], reply_topic=small_topic)
     # then, once those are answered, requests for the same reply topic partition
     later = [make_chunks(f"later-{i}", ids[:3], [1, 2], prompt_tail=[1, 5], reply_topic=small_topic)
              for i in range(3)]
-    chunks = before + whole + streamed + default + [chunk for request in later for chunk in request]
+    chunks = before + whole + streamed + cut + default + [chunk for request in later for chunk in request]
     stop, task = await start_worker(kafka_settings, tiny_model_dir)
     try:
         await produce_chunks(kafka_settings, before, {"before": 0})
         await read_topic(kafka_settings, small_topic, timeout=60, until=all_final({"before"}))
-        await produce_chunks(kafka_settings, whole + streamed + default, {"whole": 0, "streamed": 0, "default": 0})
+        await produce_chunks(kafka_settings, whole + streamed + cut + default,
+                             {"whole": 0, "streamed": 0, "cut": 0, "default": 0})
         records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
-                                   until=all_final({"whole", "streamed", "default"}))
+                                   until=all_final({"whole", "streamed", "cut", "default"}))
         later_ids = {f"later-{i}" for i in range(3)}
-        await produce_chunks(kafka_settings, chunks[len(before + whole + streamed + default):],
+        await produce_chunks(kafka_settings, chunks[len(before + whole + streamed + cut + default):],
                              {rid: 0 for rid in later_ids})
         replies = await read_topic(kafka_settings, small_topic, timeout=60, until=all_final(later_ids))
         await _committed_to(kafka_settings, 0, len(chunks), "the partition's commits stopped at a refused result")
@@ -244,20 +249,22 @@ async def test_a_result_its_reply_topic_refuses_becomes_an_error_and_the_partiti
         stop.set()
     assert await asyncio.wait_for(task, 30) == 0
     records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
-                               until=all_final({"whole", "streamed", "default"}))
+                               until=all_final({"whole", "streamed", "cut", "default"}))
     errors = _errors_by_request(records)
-    assert set(errors) == {"whole", "streamed"}
+    assert set(errors) == {"whole", "streamed", "cut"}
     for name, error in errors.items():
         assert error.error.type == "invalid_request_error"
         assert error.error.message.startswith(f"derender: reply_topic {small_topic!r} refused the result as too "
                                               f"large (MessageSizeTooLargeError): the topic's max.message.bytes "
                                               f"must hold"), error.error.message
     # one answer each: the error in place of the refused result, final
-    assert sorted(r.key.decode() for r in records) == ["default", "streamed", "whole"]
-    assert [HEADER_FINAL in dict(r.headers) for r in records if r.key == b"streamed"] == [True]
-    assert [r.key for r in replies if r.key in (b"whole", b"streamed")] in ([], [b"streamed"])
+    assert sorted(r.key.decode() for r in records) == ["cut", "default", "streamed", "whole"]
+    for name in (b"streamed", b"cut"):
+        assert [HEADER_FINAL in dict(r.headers) for r in records if r.key == name] == [True]
+        assert [r.key for r in replies if r.key in (b"whole", name)] in ([], [name])
     # the requests after the refused results got their answers where they asked
-    assert sorted(r.key.decode() for r in replies if r.key != b"streamed") == sorted({"before"} | later_ids)
+    assert (sorted(r.key.decode() for r in replies if r.key not in (b"streamed", b"cut"))
+            == sorted({"before"} | later_ids))
 
 
 @pytest.mark.kafka

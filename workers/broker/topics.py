@@ -34,6 +34,13 @@ class TopicsReport:
 
 DEFAULT_PARTITIONS = 32  # a fleet can use at most this many generate workers (README, "Running a fleet")
 
+# The chunk log's timestamps are the broker's: they rise with the log, whatever the clocks
+# of the generate hosts (or of a producer that sets its own) say. The derender's
+# stalled-request check reads time from them (workers/derender/stalls.py): with the
+# producers' times one record dated far ahead held it off on its partition until the
+# clocks got there, and out-of-order times could move where a replay ends a request.
+CHUNKS_TOPIC_CONFIGS = {"message.timestamp.type": "LogAppendTime"}
+
 # Growing an existing deployment: results (and reply topics) first, then chunks, then the
 # request topics. A request that lands on a new partition number p then always finds
 # chunks[p] and results[p]; requests already running stay on their partition numbers.
@@ -75,7 +82,8 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
                 raise
             await asyncio.sleep(0.5)
     try:
-        report.created, report.existed = await _create_missing(admin, names, partitions, replication_factor, timeout)
+        report.created, report.existed = await _create_missing(admin, names, partitions, replication_factor, timeout,
+                                                               {settings.topic("chunks"): CHUNKS_TOPIC_CONFIGS})
         if grow and report.existed:
             await _grow(admin, settings, [n for n in names if n in report.existed], partitions, timeout, report)
         report.partitions = await _wait_for_leaders(admin, names, timeout)
@@ -105,9 +113,11 @@ async def ensure_topic(settings: KafkaSettings, name: str, like: str, timeout: f
 
 
 async def _create_missing(admin, names: list[str], partitions: int, replication_factor: int | None,
-                          timeout: float) -> tuple[list[str], list[str]]:
+                          timeout: float, configs_of: dict[str, dict[str, str]] | None = None
+                          ) -> tuple[list[str], list[str]]:
     """Create those of `names` that do not exist: (created, existed). Replication None:
-    min(3, brokers), and min.insync.replicas=2 from three replicas."""
+    min(3, brokers), and min.insync.replicas=2 from three replicas; `configs_of`: more
+    configs of some of them."""
     from aiokafka.admin import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError, for_code
 
@@ -119,7 +129,8 @@ async def _create_missing(admin, names: list[str], partitions: int, replication_
     replicas = replication_factor or min(3, len((await admin.describe_cluster())["brokers"]) or 1)
     configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
     response = await admin.create_topics(
-        [NewTopic(n, partitions, replicas, topic_configs=configs) for n in missing], timeout_ms=int(timeout * 1000))
+        [NewTopic(n, partitions, replicas, topic_configs={**configs, **(configs_of or {}).get(n, {})})
+         for n in missing], timeout_ms=int(timeout * 1000))
     failures = []
     for topic, code, *rest in response.topic_errors:
         error = for_code(code) if code else None

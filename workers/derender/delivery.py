@@ -23,7 +23,7 @@ from schemas import Cancel
 from schemas.headers import HEADER_FINAL
 from workers.derender.state import Derenderer, Result
 from workers.derender.undeliverable import answer_on_default_topic, refusal_message
-from workers.kafka.offsets import OffsetTracker, Release
+from workers.kafka.offsets import OffsetTracker, Release, release_when_settled
 from workers.kafka.publisher import Publisher, TopicUnavailable
 from workers.kafka.records import Outgoing
 from workers.metrics import PUBLISH_REFUSED, REPLY_REFUSED, series
@@ -89,12 +89,18 @@ class Delivery:
     `to_record(output, tp)` is the worker's: an output of the derenderer as a record."""
 
     def __init__(self, publisher: Publisher, derenderer: Derenderer, results_topic: str, cancel_topic: str,
-                 to_record: Callable[[object, TopicPartition], Outgoing]):
+                 to_record: Callable[[object, TopicPartition], Outgoing],
+                 end_hold: Callable[[str], Release | None] = lambda rid: None):
         self.publisher = publisher
         self.derenderer = derenderer
         self.results_topic = results_topic
         self.cancel_topic = cancel_topic
         self.to_record = to_record
+        # The worker's hold of an open request's first chunk, handed over (and forgotten
+        # there) when an error in place of a refused result ends the request: it goes once
+        # that error is settled. It waited for a later chunk of the request, which may
+        # never come (generate stops it on the error's cancel).
+        self.end_hold = end_hold
         self.published: dict[TopicPartition, OffsetTracker] = {}  # records whose results are acked
         self.refused: list[Sent] = []  # settled with a refusal, for the next `answer_refused`
         self._answered: dict[str, None] = {}  # request ids, oldest first
@@ -107,6 +113,7 @@ class Delivery:
         refused, self.refused = self.refused, []
         for sent in refused:
             replacements: list[Outgoing] = []
+            ended: list[Release] = []
             for record, future in sent.futures_of_records():
                 if future.cancelled() or future.exception() is None:
                     continue
@@ -118,12 +125,12 @@ class Delivery:
                               if sent.replacing else "a cancel", exc)
                     continue
                 replacements.extend(self.in_place_of(record, sent.tp, refusal_message(
-                    record.topic, self.results_topic, exc, self.publisher.max_record_bytes)))
+                    record.topic, self.results_topic, exc, self.publisher.max_record_bytes), ended))
             if not replacements:
                 sent.release_all()
                 continue
             answer = Sent(self, sent.tp, replacing=True)
-            answer.offsets, answer.releases, answer.records = sent.offsets, sent.releases, replacements
+            answer.offsets, answer.releases, answer.records = sent.offsets, sent.releases + ended, replacements
             answer.futures = [await self.publisher.publish(record) for record in replacements]
             answer.when_settled()
 
@@ -137,18 +144,25 @@ class Delivery:
         except (TopicUnavailable, KafkaError) as exc:
             if record.topic in (self.results_topic, self.cancel_topic):
                 raise
-            replacements = self.in_place_of(record, tp, f"publishing to reply_topic {record.topic!r} failed: {exc}")
+            ended: list[Release] = []
+            replacements = self.in_place_of(record, tp, f"publishing to reply_topic {record.topic!r} failed: {exc}",
+                                            ended)
             if not replacements:
                 answered = asyncio.get_running_loop().create_future()
                 answered.set_result(None)
                 return answered
             futures = [await self.publisher.publish(r) for r in replacements]
-            return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+            answered = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+            for release in ended:
+                release_when_settled(answered, release)
+            return answered
 
-    def in_place_of(self, record: Outgoing, tp: TopicPartition, message: str) -> list[Outgoing]:
+    def in_place_of(self, record: Outgoing, tp: TopicPartition, message: str, ended: list[Release]) -> list[Outgoing]:
         """The records that end `record`'s request with an error on the default results
         topic, in place of `record`, which its topic will not take; none when an earlier
-        record of the request was answered so (same batch, or sent before that was known)."""
+        record of the request was answered so (same batch, or sent before that was known).
+        A request they end (it was open) adds the worker's hold of its first chunk to
+        `ended`, to go once they are settled."""
         rid = record.key
         if rid in self._answered:
             log.error("request %s: %s refused a later result of a request already answered with an error; "
@@ -161,5 +175,9 @@ class Delivery:
         if record.topic != self.results_topic:
             series(REPLY_REFUSED, W).inc()
         final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)
+        if not final:
+            release = self.end_hold(rid)
+            if release is not None:
+                ended.append(release)
         result = Result(rid, record.topic, record.value, record.headers, final)
         return [self.to_record(o, tp) for o in answer_on_default_topic(self.derenderer, result, message)]

@@ -12,12 +12,14 @@ difference, but by at most `max_gap_ms` (a tenth of the timeout, at most a minut
 one record. So what ages a request is other requests' chunks going on past it: a worker
 stopped or a backlog read after a restart ages nothing, and a broker away for an hour, a
 generate fleet paused or a quiet partition age it by one gap. A record older than the
-newest read (a generate host whose clock runs behind) moves nothing. A request is
-stalled once the partition's busy log time is more than the timeout past where it was
-when the request's last chunk was read. `genpipe replay` reads the same records, so it
-ends the same requests at the same chunks, as long as the generate hosts' clocks agree
-within a small part of the timeout (the newest timestamp before a replay's first record
-is not known to it).
+newest read moves nothing. A request is stalled once the partition's busy log time is
+more than the timeout past where it was when the request's last chunk was read.
+`genpipe replay` reads the same records, so it ends the same requests at the same chunks
+as long as the timestamps rise with the log (the newest before a replay's first record is
+not known to it). The chunks topic keeps the broker's append time for that
+(workers/broker/topics.py `CHUNKS_TOPIC_CONFIGS`); with the producers' own, one record
+dated ahead (up to the hour Kafka 4 lets through) would hold the check off on its
+partition until the clocks got there.
 """
 
 from __future__ import annotations

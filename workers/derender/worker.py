@@ -74,7 +74,8 @@ class DerenderHandler(Handler):
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
         # What the producer's answers settle, refusals answered included (delivery.py).
-        self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing)
+        self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing,
+                                 lambda rid: self.request_start.pop(rid, (None, None))[1])
         # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
         self._chunks, self._tokens, self._results = series(CHUNKS, W), series(TOKENS, W), series(RESULTS, W)
         self._in_flight = series(IN_FLIGHT, W)
