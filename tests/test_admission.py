@@ -107,7 +107,19 @@ def test_stale_entries_do_not_grow_without_bound():
     for n in range(5_000):  # pushed and removed many times while one request stays
         q.push(item(f"r{n}", 0, 10**12))
         q.remove(f"r{n}")
-    assert len(q._order) < 200 and len(q._deadlines) < 200
+    assert sum(map(len, q._order)) < 200 and len(q._deadlines) < 200
+    assert drain(q) == ["keep"]
+
+
+def test_requests_run_with_deadlines_far_ahead_leave_nothing_behind():
+    # Each request admitted (`pop`) left its deadline's entry until the deadline passed:
+    # with deadlines far ahead (a client may set any), one per request for good.
+    q = WaitingQueue()
+    q.push(item("keep", 99))
+    for n in range(5_000):
+        q.push(item(f"r{n}", 0, 2**62))
+        assert q.pop().request.request_id == f"r{n}"
+    assert sum(map(len, q._order)) < 200 and len(q._deadlines) < 200
     assert drain(q) == ["keep"]
 
 

@@ -148,7 +148,11 @@ class WaitingQueue(Generic[T]):
         item = entry[1]
         self.by_tier[entry[2]] -= 1
         self.tokens -= len(item.request.prompt_token_ids)
-        if len(self._order[0]) + len(self._order[1]) > 2 * len(self._items) + 64:  # too many stale entries: rebuild
+        # Too many stale entries: rebuild. A request taken by `pop` leaves its deadline's
+        # entry (one far ahead stayed for good: every such request, ~450 bytes, for the
+        # worker's life), one taken by `remove` its order's too.
+        limit = 2 * len(self._items) + 64
+        if len(self._order[0]) + len(self._order[1]) > limit or len(self._deadlines) > limit:
             self._order = tuple([e for e in heap if self._items.get(e[1], (None,))[0] == e[2]] for heap in self._order)
             self._deadlines = [e for e in self._deadlines if self._items.get(e[2], (None,))[0] == e[1]]
             for heap in (*self._order, self._deadlines):
