@@ -119,12 +119,17 @@ async def create_topic(settings: KafkaSettings, name: str, partitions: int = 1,
 
 async def set_max_message_bytes(settings: KafkaSettings, topic: str, limit: int) -> None:
     """Change a topic's record limit (an operator's `kafka-configs --alter`)."""
+    await set_topic_config(settings, topic, {"max.message.bytes": str(limit)})
+
+
+async def set_topic_config(settings: KafkaSettings, topic: str, configs: dict[str, str]) -> None:
+    """Set a topic's configs (an operator's `kafka-configs --alter`; the others go back to
+    the broker's defaults, as with a non-incremental AlterConfigs)."""
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     admin = make_admin(settings)
     await admin.start()
     try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
-                                                  configs={"max.message.bytes": str(limit)})])
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs=configs)])
     finally:
         await admin.close()

@@ -142,6 +142,25 @@ async def test_create_topics_reports_created_then_existed(kafka_settings, make_t
     assert await _partition_counts(kafka_settings) == {n: 2 for n in names}
 
 
+async def test_topics_create_says_when_an_existing_chunks_topic_keeps_the_producers_times(kafka_settings,
+                                                                                           make_topics):
+    """A chunks topic made before genpipe set LogAppendTime on it (or by hand) keeps the
+    producers' times, which the derender's stalled-request check then reads; `topics
+    create` leaves existing topics alone, so it says what to set."""
+    from tests.kafka_helpers import set_topic_config
+
+    chunks = kafka_settings.topic("chunks")
+    await make_topics(kafka_settings, partitions=1)
+    ours = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "1")
+    assert ours.returncode == 0 and "warning" not in ours.stderr, ours.stderr
+    await set_topic_config(kafka_settings, chunks, {"message.timestamp.type": "CreateTime"})
+    older = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "1")
+    assert older.returncode == 0, older.stderr
+    assert f"warning: {chunks} exists with message.timestamp.type=CreateTime" in older.stderr
+    assert (f"kafka-configs.sh --alter --entity-type topics --entity-name {chunks} "
+            f"--add-config message.timestamp.type=LogAppendTime") in older.stderr
+
+
 def test_topics_create_reports_unreachable_broker():
     out = genpipe("topics", "create", "--bootstrap-servers", "127.0.0.1:1", "--timeout", "5")
     assert out.returncode == 1

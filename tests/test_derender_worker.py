@@ -14,7 +14,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from schemas import JSON, Cancel, ChatCompletionChunk, ErrorResponse, OutputOptions, encode, headers_for
 from schemas.openai import OpenAIResult
 from tests.derender_support import encode_ids, make_chunks, position
-from tests.kafka_helpers import committed_offsets, read_to_end, read_topic
+from tests.kafka_helpers import committed_offsets, read_to_end, read_topic, set_topic_config
 from workers.cli import main
 from workers.client import decode_result
 from workers.derender.service import DerenderWorkerConfig, run_derender_worker
@@ -109,19 +109,6 @@ def decoded_by_request(records):
         keys.setdefault(rid, []).append((headers[HEADER_ATTEMPT].decode(), int(headers[HEADER_SEQ]),
                                          HEADER_FINAL in headers))
     return got, keys
-
-
-async def set_topic_config(settings, topic: str, configs: dict[str, str]) -> None:
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-    from workers.kafka.clients import make_admin
-
-    admin = make_admin(settings)
-    await admin.start()
-    try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs=configs)])
-    finally:
-        await admin.close()
 
 
 async def replay_to_file(settings, tokenizer_dir, out_file, *options: str) -> list[dict]:

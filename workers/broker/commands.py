@@ -200,7 +200,7 @@ def _topics_create(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from workers.broker.topics import TopicsError, create_topics
+    from workers.broker.topics import CHUNKS_TOPIC_CONFIGS, TopicsError, create_topics
 
     # aiokafka logs each failed connect; with no logging configured Python's last-resort
     # handler would print those too, doubling the one-line error below.
@@ -229,6 +229,12 @@ def _topics_create(args: argparse.Namespace) -> int:
         print(f"warning: {', '.join(differ)} already exist with another partition count than "
               f"--partitions {args.partitions}; existing topics are not changed"
               + ("" if args.grow else " (--grow adds partitions)"), file=sys.stderr)
+    for name, configs in report.unlike.items():
+        wanted = ",".join(f"{key}={CHUNKS_TOPIC_CONFIGS[key]}" for key in configs)
+        print(f"warning: {name} exists with {', '.join(f'{k}={v}' for k, v in configs.items())}: the derender's "
+              f"stalled-request check reads time from its timestamps, which then are the producers' "
+              f"(docs/design.md §5.5); existing topics are not changed: kafka-configs.sh --alter "
+              f"--entity-type topics --entity-name {name} --add-config {wanted}", file=sys.stderr)
     if report.mismatched(settings):
         print("warning: requests, chunks and results have different partition counts; "
               "a request's records may then change partition number", file=sys.stderr)

@@ -24,6 +24,8 @@ class TopicsReport:
     existed: list[str] = field(default_factory=list)
     grown: dict[str, tuple[int, int]] = field(default_factory=dict)  # topic -> (before, after)
     partitions: dict[str, int] = field(default_factory=dict)  # topic -> partition count
+    # topic -> its configs that differ from CHUNKS_TOPIC_CONFIGS (an existing chunks topic)
+    unlike: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def mismatched(self, settings: KafkaSettings) -> list[str]:
         """requests/chunks/results whose partition counts differ (pre-existing topics)."""
@@ -62,7 +64,7 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
     for every partition, so callers can produce immediately.
     """
     from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.errors import KafkaConnectionError
+    from aiokafka.errors import KafkaConnectionError, KafkaError
 
     if partitions < 1 or (replication_factor is not None and replication_factor < 1):
         raise ValueError("partitions and replication_factor must be >= 1")
@@ -86,6 +88,12 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
                                                                {settings.topic("chunks"): CHUNKS_TOPIC_CONFIGS})
         if grow and report.existed:
             await _grow(admin, settings, [n for n in names if n in report.existed], partitions, timeout, report)
+        chunks = settings.topic("chunks")
+        if chunks in report.existed:
+            try:
+                report.unlike = await _configs_unlike(admin, {chunks: CHUNKS_TOPIC_CONFIGS})
+            except KafkaError:  # (not allowed to describe it: nothing known to differ)
+                pass
         report.partitions = await _wait_for_leaders(admin, names, timeout)
     finally:
         await admin.close()
@@ -143,6 +151,27 @@ async def _create_missing(admin, names: list[str], partitions: int, replication_
     if failures:
         raise TopicsError("could not create topics: " + "; ".join(failures))
     return created, existed
+
+
+async def _configs_unlike(admin, wanted: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Of `wanted` (topic -> configs), the configs each existing topic has otherwise: what
+    it has, by name. A topic the broker does not describe is left out (not known to differ)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    resources = [ConfigResource(ConfigResourceType.TOPIC, topic, configs=dict.fromkeys(configs))
+                 for topic, configs in wanted.items()]
+    responses = await admin.describe_configs(resources)
+    unlike: dict[str, dict[str, str]] = {}
+    for response in responses:
+        for resource in response.to_object()["resources"]:
+            topic = resource["resource_name"]
+            if resource["error_code"] or topic not in wanted:
+                continue
+            for entry in resource["config_entries"]:
+                name, value = entry["config_names"], entry["config_value"]
+                if name in wanted[topic] and value != wanted[topic][name]:
+                    unlike.setdefault(topic, {})[name] = value
+    return unlike
 
 
 async def _grow(admin, settings: KafkaSettings, existing: list[str], partitions: int, timeout: float,
