@@ -67,7 +67,9 @@ def register(subparsers) -> None:
             "missing. Existing topics are left as they are (unless --grow); the command reports "
             "which were created and which existed. requests, requests.bulk, chunks and results "
             "must share one partition count, so a request's records stay on one partition "
-            "number end to end."))
+            "number end to end. The chunks topic keeps the broker's time "
+            "(message.timestamp.type=LogAppendTime), which the derender's stalled-request check "
+            "reads; an existing one that does not is named, with the line that changes it."))
     create.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
                         help="partitions per topic (default %(default)s). A fleet can use at most this "
                              "many generate workers; more partitions cost the brokers memory and make "
