@@ -195,8 +195,13 @@ def _delete_test_topics(settings: KafkaSettings) -> None:
         await admin.start()
         try:
             names = [t for t in await admin.list_topics() if t.startswith(prefixes)]
+            failed = []
             for i in range(0, len(names), 500):
-                await admin.delete_topics(names[i:i + 500], timeout_ms=30000)
+                response = await admin.delete_topics(names[i:i + 500], timeout_ms=30000)
+                failed += [(topic, code) for topic, code, *_ in response.topic_error_codes if code]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {len(names)} not deleted, e.g. {failed[0][0]} "
+                                   f"(error code {failed[0][1]})")
             return len(names)
         finally:
             await admin.close()

@@ -157,8 +157,8 @@ async def test_topics_create_says_when_an_existing_chunks_topic_keeps_the_produc
     older = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "1")
     assert older.returncode == 0, older.stderr
     assert f"warning: {chunks} exists with message.timestamp.type=CreateTime" in older.stderr
-    assert (f"kafka-configs.sh --alter --entity-type topics --entity-name {chunks} "
-            f"--add-config message.timestamp.type=LogAppendTime") in older.stderr
+    assert (f"kafka-configs.sh --bootstrap-server {kafka_settings.bootstrap_servers} --alter --entity-type topics "
+            f"--entity-name {chunks} --add-config message.timestamp.type=LogAppendTime") in older.stderr
 
 
 def test_topics_create_reports_unreachable_broker():

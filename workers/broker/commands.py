@@ -69,7 +69,8 @@ def register(subparsers) -> None:
             "must share one partition count, so a request's records stay on one partition "
             "number end to end. The chunks topic keeps the broker's time "
             "(message.timestamp.type=LogAppendTime), which the derender's stalled-request check "
-            "reads; an existing one that does not is named, with the line that changes it."))
+            "reads; an existing one that does not is named, with the line that changes it "
+            "(where the broker describes its configs to this user)."))
     create.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
                         help="partitions per topic (default %(default)s). A fleet can use at most this "
                              "many generate workers; more partitions cost the brokers memory and make "
@@ -235,8 +236,9 @@ def _topics_create(args: argparse.Namespace) -> int:
         wanted = ",".join(f"{key}={CHUNKS_TOPIC_CONFIGS[key]}" for key in configs)
         print(f"warning: {name} exists with {', '.join(f'{k}={v}' for k, v in configs.items())}: the derender's "
               f"stalled-request check reads time from its timestamps, which then are the producers' "
-              f"(docs/design.md §5.5); existing topics are not changed: kafka-configs.sh --alter "
-              f"--entity-type topics --entity-name {name} --add-config {wanted}", file=sys.stderr)
+              f"(docs/design.md §5.5); existing topics are not changed: kafka-configs.sh --bootstrap-server "
+              f"{settings.bootstrap_servers} --alter --entity-type topics --entity-name {name} --add-config "
+              f"{wanted} (with --command-config for a secured cluster)", file=sys.stderr)
     if report.mismatched(settings):
         print("warning: requests, chunks and results have different partition counts; "
               "a request's records may then change partition number", file=sys.stderr)

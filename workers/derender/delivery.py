@@ -152,10 +152,11 @@ class Delivery:
                 answered.set_result(None)
                 return answered
             futures = [await self.publisher.publish(r) for r in replacements]
-            answered = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-            for release in ended:
-                release_when_settled(answered, release)
-            return answered
+            if ended:  # once every record is answered (a refused cancel must not end the wait early)
+                settled = futures[0] if len(futures) == 1 else asyncio.gather(*futures, return_exceptions=True)
+                for release in ended:
+                    release_when_settled(settled, release)
+            return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
 
     def in_place_of(self, record: Outgoing, tp: TopicPartition, message: str, ended: list[Release]) -> list[Outgoing]:
         """The records that end `record`'s request with an error on the default results

@@ -178,9 +178,9 @@ class DerenderHandler(Handler):
                     start[1]()
                 continue
             if not outputs:
-                # Finished meanwhile another way (a refused result answered in its place),
-                # and no chunk of it came since to release its hold: it goes now, as it
-                # would have with that chunk.
+                # Finished meanwhile another way, with its hold still here: it goes now, as
+                # it would have with a later chunk of it. (A safety net: the ways known,
+                # such as an error in place of a refused result, release it themselves.)
                 if rid in self.request_start:
                     self._pending.append(([], tp, offset, rid))
                 continue
