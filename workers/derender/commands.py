@@ -30,9 +30,10 @@ def add_stalled_request_option(p: argparse.ArgumentParser) -> None:
                         "GENPIPE_STALLED_REQUEST_S; default %(default)s; 0: never). Until it ends, its first "
                         "chunk pins the partition's commit: a restart replays the partition from there. Log "
                         "time (the chunks' timestamps), not the clock, in which one gap between records counts "
-                        "a tenth of this, and 60 s, at most: a worker stopped ages no request, a broker away or generate "
-                        "paused ages it by one gap. A request that a generate worker's failover restarts waits "
-                        "in the new worker's queue: keep this above the longest such wait (docs/design.md §5.5)")
+                        "a tenth of this, and 60 s, at most: a worker stopped ages no request, a broker away or "
+                        "generate paused ages it by one gap. A request that a generate worker's failover "
+                        "restarts waits in the new worker's queue: keep this above the longest such wait "
+                        "(docs/design.md §5.5)")
 
 
 def register(subparsers) -> None:
