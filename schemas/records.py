@@ -79,9 +79,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 class GenerateLogProb(msgspec.Struct, gc=False):
     # Positional construction allowed (token_id, logprob, rank): the engine builds ~20 of
     # these per token, and map(GenerateLogProb, ids, values, ranks) halves that cost.
-    token_id: int
+    token_id: Int64
     logprob: float
-    rank: int | None = None  # None only when the logprob was NaN
+    rank: Int64 | None = None  # None only when the logprob was NaN
 
 
 class GenerateLogProbsContent(GenerateLogProb, kw_only=True, gc=False):
@@ -107,25 +107,25 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     request_id: str
     attempt: str  # unique per attempt; a re-run after a crash gets a new one
-    seq: int  # 0, 1, 2 ... within an attempt
-    token_offset: int = 0  # index of token_ids[0] in the request's output
-    token_ids: list[int] = msgspec.field(default_factory=list)  # may be empty on the last chunk
+    seq: Int64  # 0, 1, 2 ... within an attempt
+    token_offset: Int64 = 0  # index of token_ids[0] in the request's output
+    token_ids: list[Int64] = msgspec.field(default_factory=list)  # may be empty on the last chunk
     logprobs: GenerateLogProbs | None = None  # aligned with token_ids
     finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
+    stop_token_id: Int64 | None = None
     error: ChunkError | None = None  # with finish_reason="error"
-    sampled_at_ns: int | None = None
+    sampled_at_ns: Int64 | None = None
     # Only on seq 0:
-    prompt_token_count: int | None = None
-    prompt_tail_ids: list[int] | None = None  # last <= 8 prompt ids, seeds the detokenizer
+    prompt_token_count: Int64 | None = None
+    prompt_tail_ids: list[Int64] | None = None  # last <= 8 prompt ids, seeds the detokenizer
     prompt_logprobs: list[GenerateLogProbsContent | None] | None = None  # first entry None
     output: OutputOptions | None = None
     reply_topic: str | None = None  # the request's reply_topic, so derender knows where to answer
     # The request record's offset on its partition (the chunk's partition number): a re-run
     # of the same record (after a crash) has the same one, a re-used request_id another.
-    request_offset: int | None = None
+    request_offset: Int64 | None = None
     # seq 0, only with output.echo or output.prompt_logprobs: the whole prompt
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[Int64] | None = None
 
 
 class Cancel(msgspec.Struct, kw_only=True):

@@ -317,6 +317,29 @@ def test_echo_streamed_puts_the_prompt_in_front_of_the_first_result_only(d, tabl
     assert not any("Once" in t for t in texts[1:])
 
 
+@pytest.mark.parametrize("output, message", [
+    (OutputOptions(stop=[f"s{i}" for i in range(100_000)]), "output.stop may hold at most 16 strings, got 100000"),
+    (OutputOptions(stop=["x" * 5000]), "output.stop[0] must be a string of 1..1000 characters, got 5000"),
+    (OutputOptions(kind="chat", top_logprobs=6), "output.top_logprobs must be 0..5, got 6"),
+])
+@pytest.mark.parametrize("restart", [False, True])
+def test_seq_0_output_options_that_break_a_request_s_rules_end_it_at_once(d, tables, output, message, restart):
+    """Generate holds a request's output options to the rules (docs/design.md §8), but a
+    chunk may come from another producer: 100,000 stop strings in a seq 0 were searched
+    for in every token's text (~7 ms a token, the worker's loop held for a long answer's
+    worth). Such a seq 0, of a new request or of a new attempt, ends it with one error."""
+    ids = encode_ids(tables, " one two three four five six seven eight nine ten") * 20
+    if restart:
+        assert len(results(d.process(chunks_for(tables, rid="opts", attempt="A")[0]))) == 1
+    (bad,) = make_chunks("opts", ids, [len(ids)], output=output, attempt="B", finish_reason=None)
+    out = d.process(bad)
+    err = only_error(out)
+    assert message in err.value.error.message and not d.is_active("opts") and d.is_finished("opts")
+    assert [c.request_id for c in cancels(out)] == ["opts"]  # generate is told to stop it
+    later = make_chunks("opts", ids + [5], [len(ids), 1], attempt="B")[1]
+    assert d.process(later) == []  # dropped: a finished request's
+
+
 def test_echo_ids_out_of_vocabulary_are_a_bad_chunk(d, tables):
     c = GenerateChunk(request_id="bad-echo", attempt="a", seq=0, finish_reason="length", prompt_token_ids=[10**6],
                       output=OutputOptions(kind="completion", echo=True))
@@ -370,3 +393,26 @@ def test_a_chunk_that_fails_to_render_ends_its_request_with_an_error_and_the_nex
     assert len(results(first)) == 1
     ok = run_chunks(d, chunks_for(tables, rid="next"))
     assert streamed_text(ok) == " one two three" and results(ok)[-1].final
+
+
+def test_a_result_no_codec_writes_is_answered_with_an_error_in_its_place(d, tables):
+    """The record-size rule encodes each result; a value no codec writes (a usage total
+    of 4,301 digits, from a hostile chunk's prompt_token_count, once got this far) raised
+    there, after the chunk was rendered, and stopped the worker on every restart. Now the request ends with an
+    error result in its place, with the attempt and seq the result had."""
+    import msgspec
+
+    from workers.derender.undeliverable import within_record_limit
+    from schemas.codec import JSON
+    from workers.kafka.records import Outgoing
+
+    (chunk,) = make_chunks("huge", encode_ids(tables, " one"), [len(encode_ids(tables, " one"))],
+                           output=OutputOptions(kind="completion"))
+    (result,) = results(d.process(chunk))
+    usage = msgspec.structs.replace(result.value.usage, total_tokens=10**5000)  # past Python's 4,300 digits
+    bad = msgspec.structs.replace(result, value=msgspec.structs.replace(result.value, usage=usage))
+    out = within_record_limit(d, [bad], lambda o: Outgoing("t", o.request_id, o.value, JSON, headers=o.headers),
+                              1_000_000)
+    (only,) = out
+    assert isinstance(only[0].value, ErrorResponse) and "could not be encoded" in only[0].value.error.message
+    assert only[0].headers == result.headers and only[1].size() > 0

@@ -41,6 +41,7 @@ BAD_REQUESTS = 6_000
 BAD_CHUNKS = 3_000
 BAD_CANCELS = 1_200
 VALID = 36
+RARE = 17  # the records that each once stopped a worker (or held a partition): `rare`
 NOT_MSGPACK = b"\xc1"  # a byte msgpack never uses, and not '{': undecodable as either codec
 
 
@@ -222,13 +223,27 @@ def build_plan(prefix: str, rng: random.Random) -> tuple[Plan, dict[str, Generat
                     GenerateLogProb(50_000, -0.5, 1)])],
                 output=OutputOptions(kind="completion", echo=True, top_logprobs=1))), [], "error", rid,
              "prompt candidate out of vocabulary"),
+            # integers past 64 bits: once raised after the chunk was rendered (a latency
+            # metric, a usage total), and stopped the derender on every restart
+            ("chunks", rid, _json({"request_id": rid, "attempt": "a", "seq": 0, "finish_reason": "stop",
+                                   "token_ids": [5], "sampled_at_ns": 10**400}), jh, "dlq", None,
+             "integer past 64 bits"),
+            ("chunks", rid, _json({"request_id": rid, "attempt": "a", "seq": 0, "finish_reason": "length",
+                                   "token_ids": [5], "prompt_token_count": int("9" * 4300)}), jh, "dlq", None,
+             "integer past 64 bits"),
+            # searched for in every token's text: ~7 ms a token, the derender's loop held
+            ("chunks", rid, encode(GenerateChunk(
+                request_id=rid, attempt="a", seq=0, token_ids=[5] * 2000, finish_reason="length",
+                output=OutputOptions(stop=[f"s{i}" for i in range(100_000)]))), [], "error", rid,
+             "100,000 stop strings"),
             ("cancel", rid, deep_json, jh, "none", None, "nested 5,000 deep"),
             ("cancel", "k-long", encode(Cancel(request_id=long_id)), [], "none", None, "id of 600,000 characters"),
         ]
+        assert len(cases) == RARE
         role, key, value, headers, expect, request_id, kind = cases[n]
         plan.add(role, key, value, headers, expect, request_id, kind)
 
-    makers = [bad_request] * BAD_REQUESTS + [bad_chunk] * BAD_CHUNKS + [bad_cancel] * BAD_CANCELS + [rare] * 14
+    makers = [bad_request] * BAD_REQUESTS + [bad_chunk] * BAD_CHUNKS + [bad_cancel] * BAD_CANCELS + [rare] * RARE
     rng.shuffle(makers)
     counters: Counter = Counter()
     valid_at = sorted(rng.sample(range(len(makers)), VALID))

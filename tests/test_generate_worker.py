@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import msgspec
 import pytest
 from aiokafka import TopicPartition
 
@@ -508,7 +509,9 @@ async def test_copies_of_a_running_request_are_dropped_and_counted_in_the_log(ka
                                                                               caplog):
     """A producer's retries (or a client's) deliver the same request again while it runs:
     the first copy answers, once; the others are dropped, the first few logged and the
-    rest counted."""
+    rest counted. So are copies that break a rule (a mistyped field, a reply topic the
+    rule refuses): they were answered with their error as a new attempt of the id, and
+    the derender ended the running request with it."""
     import logging
 
     caplog.set_level(logging.WARNING, logger="workers.generate.worker")
@@ -517,7 +520,10 @@ async def test_copies_of_a_running_request_are_dropped_and_counted_in_the_log(ka
                           sampling=SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
     stop, task = await start_worker(kafka_settings, engine, min_step_s=0.02)  # (paced: the copies arrive while it runs)
     try:
-        await produce(kafka_settings, [request_record(dup)] * 15)
+        mistyped = json.dumps({"request_id": "dup", "prompt_token_ids": [1], "sampling": {"temperature": "hot"}})
+        refused = msgspec.structs.replace(dup, reply_topic=kafka_settings.topic("requests"))
+        await produce(kafka_settings, [request_record(dup), (b"dup", mistyped.encode(), [("content-type", b"application/json")]),
+                                       request_record(refused)] + [request_record(dup)] * 12)
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"dup"}))
         await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
                               TopicPartition(kafka_settings.topic("requests"), 0), 15, what="the commit past every copy")
@@ -526,6 +532,7 @@ async def test_copies_of_a_running_request_are_dropped_and_counted_in_the_log(ka
         assert await asyncio.wait_for(task, 60) == 0
     chunks = chunks_by_request(records)["dup"]
     assert [c.seq for c in chunks] == list(range(len(chunks))), "one stream, not two"
+    assert {c.attempt for c in chunks} == {chunks[0].attempt} and chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 40
     lines = [r.getMessage() for r in caplog.records if r.name == "workers.generate.worker" and "dup" in r.getMessage()]
     assert lines[:10] == [f"request dup already running; duplicate at offset {i} dropped" for i in range(1, 11)]

@@ -235,6 +235,20 @@ def test_undecodable_or_mistyped_requests_raise_one_clear_error(data, content_ty
     assert "Traceback" not in str(info.value)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("sampled_at_ns", 10**400), ("prompt_token_count", 10**300), ("seq", 2**64), ("token_offset", -(2**64)),
+    ("token_ids", [5, 2**70]), ("request_offset", 2**63)])
+def test_a_chunk_s_integers_past_64_bits_are_refused_at_decode(field, value):
+    """A JSON chunk's integers have no bound of their own: a 400-digit sampled_at_ns made
+    the derender's latency metric raise OverflowError after the chunk was rendered, and a
+    huge prompt_token_count a usage total no codec writes. Either stopped the worker, on
+    every restart. Refused at decode, such a chunk goes to the DLQ."""
+    value = {"request_id": "r", "attempt": "a", "seq": 0, "finish_reason": "length", "token_ids": [5], field: value}
+    with pytest.raises(ValidationError) as info:
+        decode(json.dumps(value).encode(), GenerateChunk, JSON)
+    assert field in str(info.value) and "expected int" in str(info.value)
+
+
 @pytest.mark.parametrize("overrides,field,message", [
     (dict(prompt_token_ids=[]), "prompt_token_ids", "prompt_token_ids must be non-empty"),
     (dict(prompt_token_ids=[1, -4]), "prompt_token_ids[1]", "prompt_token_ids[1] must be a non-negative token id, got -4"),

@@ -6,8 +6,9 @@ rule ends its request with an error result instead of crashing the derender.
 
 from __future__ import annotations
 
+from schemas.errors import ValidationError
 from schemas.records import GenerateChunk
-from schemas.validation import candidate_cap
+from schemas.validation import candidate_cap, validate_output
 
 
 def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
@@ -23,6 +24,20 @@ def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
         for e in (entry, *entry.top_logprobs):
             if not 0 <= e.token_id < vocab_size:
                 return f"prompt_logprobs[{i}] holds id {e.token_id}, out of vocabulary (size {vocab_size})"
+    return None
+
+
+def output_problem(chunk: GenerateChunk, max_logprobs: int) -> str | None:
+    """Why seq 0's output options break the rules a request's do (docs/design.md §8), or
+    None. Generate checks them on the request, but a chunk may come from elsewhere: its
+    stop strings are searched for in every token's text, and 100,000 of them took ~7 ms
+    a token, a whole long answer's worth in one call, with the worker's loop held."""
+    if chunk.output is None:
+        return None
+    try:
+        validate_output(chunk.output, max_logprobs=max_logprobs)
+    except ValidationError as exc:
+        return str(exc)
     return None
 
 

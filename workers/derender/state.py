@@ -35,7 +35,7 @@ from schemas.openai import CompletionLogProbs, ResultRecord
 from schemas.records import GenerateChunk, OutputOptions
 from schemas.validation import DEFAULT_MAX_LOGPROBS
 from workers.derender import shaping
-from workers.derender.chunk_rules import check_chunk, prompt_problem
+from workers.derender.chunk_rules import check_chunk, output_problem, prompt_problem
 from workers.derender.correction import Corrector
 from workers.derender.detokenizer import Detokenizer, StopMatcher
 from workers.derender.logprobs_step import BadChunk, chunk_logprobs
@@ -235,6 +235,9 @@ class Derenderer:
                 # Answering it again would publish a second final for a finished request.
                 self.stats.dropped_unknown += 1
                 return []
+            problem = output_problem(chunk, self.max_logprobs)
+            if problem is not None:
+                return self._fail(rid, None, chunk, problem)
             req = self._start(chunk, restart=False, superseded=set())
         elif chunk.attempt != req.attempt:
             if chunk.attempt in req.superseded:
@@ -243,6 +246,9 @@ class Derenderer:
             if chunk.seq != 0:
                 return self._fail(rid, req, chunk, f"seq gap: first chunk seen of attempt "
                                   f"{chunk.attempt!r} has seq {chunk.seq}, expected 0")
+            problem = output_problem(chunk, self.max_logprobs)
+            if problem is not None:
+                return self._fail(rid, req, chunk, problem)
             req.superseded.add(req.attempt)
             self.stats.restarts += 1
             req = self._start(chunk, restart=True, superseded=req.superseded)

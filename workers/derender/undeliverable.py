@@ -31,7 +31,19 @@ def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callab
     out = []
     for output in outputs:
         record = to_record(output)
-        size = record.size()
+        try:
+            size = record.size()
+        except (ValueError, OverflowError, TypeError) as exc:
+            if not isinstance(output, Result):
+                raise
+            # A value no codec writes, from a chunk another producer wrote (a usage total of
+            # 4,301 digits once got this far; chunks' integers are 64-bit now): raised here,
+            # it stopped the worker, and every restart read the chunk again. The request
+            # ends with an error in its place.
+            message = f"its result could not be encoded ({exc!r})"
+            log.error("request %s: %s", output.request_id, message)
+            out.extend((o, to_record(o)) for o in derenderer.fail(output, message))
+            continue
         if isinstance(output, Result) and (size > limit or limit_of is not None and size > limit_of(record.topic)):
             if size > limit:
                 message = (f"result too large: {size} bytes, over the record size limit of {limit} "

@@ -113,6 +113,8 @@ class GenerateHandler(Handler):
                 await self._to_dlq(message, release, f"invalid request without a readable request_id: {exc}")
             elif len(request_id) > ANSWERABLE_ID_CHARS:
                 await self._to_dlq(message, release, _unanswerable(request_id, exc))
+            elif request_id in self.inflight or request_id in self.waiting or request_id in self._ending:
+                self._drop_copy(request_id, message.offset, release)
             else:
                 if reply_topic is not None and self.reply_rule.problem(reply_topic) is not None:
                     reply_topic = None  # (a full request's would be refused too: the default topic)
@@ -126,6 +128,10 @@ class GenerateHandler(Handler):
         if len(request.request_id) > ANSWERABLE_ID_CHARS:
             await self._to_dlq(message, release, _unanswerable(request.request_id))
             return
+        if request.request_id in self.inflight or request.request_id in self.waiting:
+            series(REQUESTS, W, "accepted").inc()
+            self._drop_copy(request.request_id, message.offset, release)
+            return
         state = InFlight(request, tp, message.offset, release)
         if request.reply_topic is not None:
             problem = self.reply_rule.problem(request.reply_topic)
@@ -134,12 +140,6 @@ class GenerateHandler(Handler):
                 await self._reject(state, problem)
                 return
         series(REQUESTS, W, "accepted").inc()
-        if request.request_id in self.inflight or request.request_id in self.waiting:
-            # The same request twice at once (a producer retry): the first copy answers.
-            self._duplicates.log("request %s already running; duplicate at offset %d dropped",
-                                 request.request_id, message.offset)
-            release()
-            return
         if request.request_id in self.cancelled:
             await self._publish_final(state, Final("abort"))
             return
@@ -193,6 +193,15 @@ class GenerateHandler(Handler):
         series(WAITING, W).set(len(self.waiting))
         return refused
 
+
+    def _drop_copy(self, request_id: str, offset: int, release) -> None:
+        """The same request id again while a copy of it runs or waits (a producer retry, a
+        client re-sending): the first copy answers. Checked before any rule: a copy that
+        broke one (a mistyped field, a reply topic the rule refuses) was answered with its
+        error, as a new attempt of the id, and the derender ended the running request
+        with that error (docs/design.md §8)."""
+        self._duplicates.log("request %s already running; duplicate at offset %d dropped", request_id, offset)
+        release()
 
     async def _to_dlq(self, message, release: Release, error: str) -> None:
         series(DLQ, W).inc()
