@@ -328,6 +328,75 @@ async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_
         await producer.stop()
 
 
+async def test_a_request_finished_but_not_acknowledged_at_a_revoke_is_answered_again_if_its_partition_comes_back(
+        kafka_settings, make_topics, tiny_model_dir):
+    """A revoke while a finished request's answer waits for the broker (its reply topic's
+    leader away, say), and the partition assigned back to the same worker: it replays
+    from the commit, which stayed below the request. It used to remember the request as
+    finished and drop it there, and the new commits passed it while its only answer was
+    still unacknowledged: lost for good if that answer then was (a lane dropped at
+    shutdown). Now it answers it again, and the commit waits for that answer. The
+    answers are the real producer's; those to the reply topic reach the handler once
+    the test lets them (a broker of one cannot hold an acknowledgement back)."""
+    from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+
+    from tests.kafka_helpers import create_topic, wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    slow = f"{kafka_settings.topic_prefix}.reply.slow"
+    await create_topic(kafka_settings, slow)
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir)
+    gate, held = asyncio.Event(), {}
+    real_publish_batch = handler.publisher.publish_batch
+
+    async def answers_to_slow_held(records, **kw):
+        futures = await real_publish_batch(records, **kw)
+        return [held.setdefault(f, asyncio.ensure_future(_when(gate, f))) if r.topic == slow else f
+                for r, f in zip(records, futures)]
+    handler.publisher.publish_batch = answers_to_slow_held
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    log = [*make_chunks("open", [5, 6], output=OutputOptions(kind="completion")),
+           *make_chunks("done", [7], output=OutputOptions(kind="completion"), reply_topic=slow)]
+    log = [log[0], log[2], log[1]]  # "open" starts, "done" starts and ends, "open" ends
+
+    async def read(offset: int) -> None:
+        handler.offsets.tracker(tp).seen(offset)  # as the loop does before it hands a record over
+        chunk = log[offset]
+        await handler.handle(ConsumerRecord(tp.topic, 0, offset, 0, 0, chunk.request_id.encode(), encode(chunk),
+                                            None, 0, 0, list(headers_for(chunk))))
+    try:
+        await handler.on_assigned([tp], {})
+        await read(0)
+        await read(1)
+        await handler.tick()  # "done"'s answer goes to the producer
+        # the rebalance, as the loop runs it: revoke, commit, then the partition comes back
+        await handler.on_revoked([tp])
+        committed = OffsetAndMetadata(handler.offsets.tracker(tp).committable(), handler.commit_metadata(tp))
+        assert committed == OffsetAndMetadata(0, "published=1")
+        await handler.on_lost([tp])
+        handler.offsets.drop(tp)
+        await handler.on_assigned([tp], {tp: committed})
+        for offset in range(3):
+            await read(offset)
+        await handler.tick()
+        await wait_for(lambda: handler.publisher.published >= 2 and handler.publisher.in_flight == 0,
+                       what="the broker's answers")
+        assert handler.offsets.tracker(tp).committable() == 1  # held by "done", answered again
+        gate.set()
+        await wait_for(lambda: handler.offsets.tracker(tp).committable() == 3, what="the commit past 'done'")
+    finally:
+        gate.set()
+        await producer.stop()
+    answers = await read_to_end(kafka_settings, slow)
+    assert [r.key for r in answers] == [b"done", b"done"]  # the client library drops the second:
+    assert answers[0].headers == answers[1].headers  # the same attempt and seq
+
+
+async def _when(gate: asyncio.Event, future: asyncio.Future):
+    await gate.wait()
+    return await future
+
+
 async def test_a_chunk_whose_partition_is_revoked_while_its_reply_topic_is_looked_up_leaves_nothing_behind(
         kafka_settings, make_topics, tiny_model_dir):
     """A seq-0 chunk naming a reply topic not known yet waits for its lookup (a metadata

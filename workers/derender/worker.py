@@ -69,13 +69,16 @@ class DerenderHandler(Handler):
         self.cancel_topic = settings.topic("cancel")
         # open request -> its partition and the release of its first chunk's offset
         self.request_start: dict[str, tuple[TopicPartition, Release]] = {}
+        # finished request whose last results are not acknowledged yet -> its partition and
+        # the release that says they are (`_answering`)
+        self._unanswered: dict[str, tuple[TopicPartition, Release]] = {}
         # Results of handled chunks not yet handed to the producer: (records, partition,
         # chunk offset, request_id if the chunk finished its request); see _publish_pending.
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
         # What the producer's answers settle, refusals answered included (delivery.py).
         self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing,
-                                 lambda rid: self.request_start.pop(rid, (None, None))[1])
+                                 lambda rid: self._answering(rid) if rid in self.request_start else None)
         # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
         self._chunks, self._tokens, self._results = series(CHUNKS, W), series(TOKENS, W), series(RESULTS, W)
         self._in_flight = series(IN_FLIGHT, W)
@@ -233,7 +236,7 @@ class DerenderHandler(Handler):
         # batch holds many chunks' results) rather than one per chunk.
         by_future: dict[asyncio.Future, Sent] = {}
         for records, tp, offset, finished_rid in pending:
-            release = self.request_start.pop(finished_rid)[1] if finished_rid in self.request_start else None
+            release = self._answering(finished_rid) if finished_rid in self.request_start else None
             if len(records) == 1 and batched(records[0]):
                 acked = next(batch_futures)  # the usual chunk: one result, in a batch
                 sent = by_future.get(acked)
@@ -260,6 +263,19 @@ class DerenderHandler(Handler):
         for future, sent in by_future.items():
             future.add_done_callback(sent.settled)
         self._in_flight.set(len(self.request_start))
+
+    def _answering(self, rid: str) -> Release:
+        """The hold of finished request `rid`, whose last results go to the producer now:
+        to be released once they are acknowledged. Till then it is `_unanswered`, so that a
+        revoke forgets it (on_revoked)."""
+        tp, release = self.request_start.pop(rid)
+
+        def answered() -> None:
+            if self._unanswered.get(rid) is entry:
+                del self._unanswered[rid]
+            release()
+        entry = self._unanswered[rid] = (tp, answered)
+        return answered
 
     def _batched_rule(self) -> Callable[[Outgoing], bool]:
         """Whether a record goes in `_publish_pending`'s producer batches: a result (it has
@@ -352,9 +368,18 @@ class DerenderHandler(Handler):
             for tp in revoked:
                 self.stalls.forget(tp.partition)
         dropped = [rid for rid, (tp, _) in self.request_start.items() if tp in revoked]
-        self.derenderer.forget(dropped)
+        # Finished requests whose answers are not acknowledged yet are forgotten too: the
+        # loop's commit stays below them, and should the partition come back here, its
+        # replay must answer them again. Remembered as finished, they were dropped there,
+        # the new commits passed them, and an answer then lost (a lane dropped at
+        # shutdown) was lost for good. (Should the first answer arrive after all, the
+        # client drops the second by its attempt and seq.)
+        unanswered = [rid for rid, (tp, _) in self._unanswered.items() if tp in revoked]
+        self.derenderer.forget(dropped + unanswered)
         for rid in dropped:
             del self.request_start[rid]
+        for rid in unanswered:
+            del self._unanswered[rid]
         # `published`/`publish_from` stay: the loop commits the revoked partitions right
         # after this, with their metadata; on_assigned starts them afresh.
 
