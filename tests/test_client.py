@@ -463,3 +463,42 @@ async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_mo
         partial.setdefault(entry["key"], []).append((entry["value"], entry["headers"]))
     assert set(partial) == whole
     assert all(records == from_file[rid] for rid, records in partial.items())
+
+
+async def test_partitions_a_topic_gains_are_read_by_a_running_client_and_by_followers(kafka_settings, make_topics,
+                                                                                    monkeypatch):
+    """`genpipe topics create --partitions 4 --grow` while a client and the generate
+    workers' cancel followers run: a reader assigned every partition by hand never read
+    the new ones (aiokafka re-assigns only a group's subscription), so a request the
+    client's producer sent to a new partition timed out though its answer was there, and
+    cancels there never reached generate. Now both are read, from the new partitions'
+    beginnings. (The metadata is looked up every 0.5 s here, every 30 s in life.)"""
+    import workers.kafka.clients as clients_module
+    from tests.kafka_helpers import wait_for
+    from workers.broker.topics import create_topics
+
+    monkeypatch.setattr(clients_module, "METADATA_MAX_AGE_MS", 500)
+    await make_topics(kafka_settings, partitions=2)
+    cancels, stop, ready = [], asyncio.Event(), asyncio.Event()
+    follower = asyncio.ensure_future(follow(kafka_settings, kafka_settings.topic("cancel"),
+                                            lambda message: cancels.append(message.key), stop, ready=ready))
+    producer = make_producer(kafka_settings)
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        async with GenpipeClient(settings=kafka_settings, timeout_s=20) as client:
+            await create_topics(kafka_settings, partitions=4, grow=True)
+            await producer.start()  # (knows the new partitions: a producer's first metadata is the whole cluster's)
+            request = make_request([1, 2, 3], kind="completion")
+            answer = Completion(id="cmpl-x", created=1, model="m", choices=[])
+            await producer.send_and_wait(kafka_settings.topic("results"), encode(answer, JSON),
+                                         key=request.request_id.encode(), partition=3, headers=headers_for(
+                                             answer, JSON, [("genpipe-attempt", b"a"), ("genpipe-seq", b"0"),
+                                                            ("genpipe-final", b"1")]))
+            await producer.send_and_wait(kafka_settings.topic("cancel"), encode(Cancel(request_id="on-3")),
+                                         key=b"on-3", partition=3)
+            assert await client.complete(request) == answer
+        await wait_for(lambda: b"on-3" in cancels, 20, "the cancel on a new partition")
+    finally:
+        stop.set()
+        await asyncio.wait_for(follower, 30)
+        await producer.stop()

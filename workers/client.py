@@ -110,8 +110,8 @@ class GenpipeClient:
     async def start(self) -> None:
         from aiokafka.errors import KafkaTimeoutError
 
-        from workers.kafka.clients import make_consumer, make_producer, start_client
-        from workers.kafka.follow import assign_all
+        from workers.kafka.clients import make_producer, start_client
+        from workers.kafka.follow import assign_all, make_follower
 
         if self._producer is not None:
             return
@@ -121,7 +121,7 @@ class GenpipeClient:
             await start_client(producer, self.settings)
             # The default fetch wait: a reply landing ends a waiting fetch at once, and an
             # idle client then asks the broker twice a second, not a hundred times.
-            consumer = make_consumer(self.settings, group_id=None, auto_offset_reset="latest")
+            consumer = make_follower(self.settings)
             await consumer.start()
             since = int((time.time() - SINCE_MARGIN_S) * 1000)
             # Positions are resolved before this returns: every record produced from
@@ -173,7 +173,7 @@ class GenpipeClient:
         from workers.kafka.follow import batches
 
         try:
-            async for records in batches(self._consumer):
+            async for records in batches(self._consumer, follow=self.reply_topic):
                 for message in records:
                     if message.key is None:
                         continue

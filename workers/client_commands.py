@@ -367,21 +367,20 @@ async def _tail(args: argparse.Namespace) -> int:
 
     from schemas import header_value
     from workers.client import record_json
-    from workers.kafka.clients import make_consumer
     from schemas.headers import HEADER_FINAL
-    from workers.kafka.follow import assign_all, batches
+    from workers.kafka.follow import assign_all, batches, make_follower
     from workers.kafka.settings import KafkaSettings
 
     settings = KafkaSettings.from_args(args, client_id="genpipe-tail")
     topic = resolve_topic(settings, args.topic, "results")
-    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    consumer = make_follower(settings)
     printed = 0
     try:
         await consumer.start()
         await assign_all(consumer, topic, 0 if args.from_beginning else None)
         last = time.monotonic()
         out = sys.stdout
-        async for records in batches(consumer):
+        async for records in batches(consumer, follow=topic):
             if records:
                 last = time.monotonic()
             elif args.idle_exit is not None and time.monotonic() - last >= args.idle_exit:

@@ -149,9 +149,16 @@ class _Forgetting(set):
         self.discard(item)
 
 
+# How often a consumer looks up its topics' partitions (aiokafka's default: 5 minutes), and
+# so how soon a partition a topic gains (`genpipe topics create --grow`) is read: a group
+# rebalances for it, a follower adds it (follow.py `NewPartitions`). One small request.
+METADATA_MAX_AGE_MS = 30_000
+
+
 def make_consumer(settings: KafkaSettings, *topics: str, group_id: str | None, **overrides) -> AIOKafkaConsumer:
     options = dict(
         group_id=group_id,
+        metadata_max_age_ms=METADATA_MAX_AGE_MS,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=500,

@@ -102,37 +102,108 @@ async def assign_range(consumer, topic: str, start: tuple[str, int], end: int | 
     return active
 
 
-async def batches(consumer, *, poll_ms: int = 100, until: dict[TopicPartition, int] | None = None):
+def make_follower(settings: KafkaSettings):
+    """A consumer for `assign_all` and `batches`: no group (its topic's metadata is looked
+    up every `METADATA_MAX_AGE_MS`, so that `NewPartitions` finds what it gains)."""
+    return make_consumer(settings, group_id=None, auto_offset_reset="latest")
+
+
+class NewPartitions:
+    """Partitions that a followed topic gains (`genpipe topics create --grow`), added to the
+    consumer's assignment. aiokafka re-assigns only a group's subscription: a consumer
+    assigned by hand never read them, and what was written there was never seen (a
+    client's requests on new partitions ended in GenpipeTimeout, a generate worker missed
+    the cancels there). Found in the consumer's metadata (looked up every 30 s:
+    clients.py `METADATA_MAX_AGE_MS`), looked at once a second; a new partition is read from its beginning, since everything in it is
+    newer than the follower's start."""
+
+    LOOK_EVERY_S = 1.0
+
+    def __init__(self, consumer, topic: str):
+        self.consumer, self.topic = consumer, topic
+        self.known = {tp.partition for tp in consumer.assignment() if tp.topic == topic}
+        self._next_look = time.monotonic() + self.LOOK_EVERY_S
+        self._lookup: asyncio.Task | None = None  # the new partitions' first offsets
+
+    async def take(self) -> None:
+        """Between two polls: look for new partitions, or add those whose first offsets
+        are known. The assignment changes with no await between it and the seeks, and
+        every partition already read goes on from where it was."""
+        lookup = self._lookup
+        if lookup is None:
+            now = time.monotonic()
+            if now >= self._next_look:
+                self._next_look = now + self.LOOK_EVERY_S
+                new = sorted(set(self.consumer.partitions_for_topic(self.topic) or ()) - self.known)
+                if new:
+                    tps = [TopicPartition(self.topic, p) for p in new]
+                    # (beside the polls: a partition without a leader yet holds no one up)
+                    self._lookup = asyncio.ensure_future(
+                        _looked_up(lambda: self.consumer.beginning_offsets(tps), self.topic, True))
+            return
+        if not lookup.done():
+            return
+        self._lookup = None
+        try:
+            firsts = lookup.result()
+        except Exception as exc:  # (looked for again at the next look)
+            log.warning("%s: the first offsets of its new partitions were not found (%r); trying again",
+                        self.topic, exc)
+            return
+        consumer = self.consumer
+        positions = {tp: await consumer.position(tp) for tp in consumer.assignment()}
+        consumer.assign([*positions, *firsts])
+        for tp, offset in {**positions, **firsts}.items():
+            consumer.seek(tp, offset)
+        self.known.update(tp.partition for tp in firsts)
+        log.info("%s: reading its %d new partitions too (%s)", self.topic, len(firsts),
+                 ", ".join(str(tp.partition) for tp in sorted(firsts)))
+
+    def close(self) -> None:
+        if self._lookup is not None:
+            self._lookup.cancel()
+
+
+async def batches(consumer, *, poll_ms: int = 100, until: dict[TopicPartition, int] | None = None,
+                  follow: str | None = None):
     """The records of the consumer's assigned partitions, one list per poll, in partition
     order (a list may be empty, so a caller can notice an idle topic). With `until`
     (partition -> stop offset), records at or past a partition's stop are left out and the
-    iteration ends once every partition has reached its stop."""
+    iteration ends once every partition has reached its stop. With `follow` (a topic), the
+    partitions it gains are read too (`NewPartitions`)."""
     left = dict(until) if until is not None else None
-    while left is None or left:
-        fetched = await consumer.getmany(*(left or ()), timeout_ms=poll_ms)
-        records = []
-        for tp, messages in fetched.items():
-            stop = left.get(tp) if left is not None else None
-            records.extend(m for m in messages if stop is None or m.offset < stop)
-        yield records
-        if left is not None:
-            for tp in list(left):
-                if await consumer.position(tp) >= left[tp]:
-                    del left[tp]
-                    consumer.pause(tp)
+    grown = NewPartitions(consumer, follow) if follow is not None else None
+    try:
+        while left is None or left:
+            if grown is not None:
+                await grown.take()
+            fetched = await consumer.getmany(*(left or ()), timeout_ms=poll_ms)
+            records = []
+            for tp, messages in fetched.items():
+                stop = left.get(tp) if left is not None else None
+                records.extend(m for m in messages if stop is None or m.offset < stop)
+            yield records
+            if left is not None:
+                for tp in list(left):
+                    if await consumer.position(tp) >= left[tp]:
+                        del left[tp]
+                        consumer.pause(tp)
+    finally:
+        if grown is not None:
+            grown.close()
 
 
 async def follow(settings: KafkaSettings, topic: str, on_record: Callable[[object], Awaitable[None] | None],
                  stop: asyncio.Event, *, since_ms: int | None = None, ready: asyncio.Event | None = None,
                  poll_timeout_ms: int = 20) -> None:
     """Call `on_record(message)` for every record of `topic` until `stop` is set."""
-    consumer = make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    consumer = make_follower(settings)
     await consumer.start()
     try:
         await assign_all(consumer, topic, since_ms, wait_for_leaders=True)
         if ready is not None:
             ready.set()
-        async for records in batches(consumer, poll_ms=poll_timeout_ms):
+        async for records in batches(consumer, poll_ms=poll_timeout_ms, follow=topic):
             for message in records:
                 result = on_record(message)
                 if asyncio.iscoroutine(result):
