@@ -338,6 +338,10 @@ def test_seq_0_output_options_that_break_a_request_s_rules_end_it_at_once(d, tab
     assert [c.request_id for c in cancels(out)] == ["opts"]  # generate is told to stop it
     later = make_chunks("opts", ids + [5], [len(ids), 1], attempt="B")[1]
     assert d.process(later) == []  # dropped: a finished request's
+    # generate's own error chunk for such a request reaches its client as generate wrote it
+    (rejected,) = make_chunks("rejected", [], [0], output=output, finish_reason="error")
+    rejected.error = ChunkError(message="output.top_logprobs must be 0..20, got 30")
+    assert only_error(d.process(rejected)).value.error.message == "output.top_logprobs must be 0..20, got 30"
 
 
 def test_echo_ids_out_of_vocabulary_are_a_bad_chunk(d, tables):
