@@ -487,3 +487,28 @@ def test_a_failed_engine_is_reported_once_even_if_the_sink_raises_on_it():
     engine._fail(RuntimeError("first"))
     engine._fail(RuntimeError("second"))
     assert str(engine.failure) == "first" and calls == [StepOutputs()] and not calls[0]
+
+
+def test_a_long_prefill_tells_the_worker_that_the_engine_steps(tiny_model_dir, loop):
+    """Steps with nothing to hand on (the parts of a long prompt's prefill, 4 tokens a
+    step here) sent the worker nothing: its stall watch heard no step for as long as the
+    prefill took, and past --engine-stall-s stopped the worker as stuck (a long context
+    on a CPU: minutes), and every next owner of the request the same way. Now such steps
+    send an empty step every second: no tokens, no step in the metrics (step_s 0)."""
+    arrivals: list[tuple[int, float]] = []
+    first_token = threading.Event()
+
+    def sink(outputs, step_s):
+        arrivals.append((len(outputs), step_s))
+        if len(outputs):
+            first_token.set()
+    engine = EngineProcess(dict(model_dir=str(tiny_model_dir), max_batch=4, prefill_chunk=4), sink,
+                           min_step_s=0.02)  # 600 / 4 steps of 20 ms: 3 s of prefill
+    started(engine, loop)
+    try:
+        engine.add(request("long", [5] * 600, max_tokens=2, ignore_eos=True))
+        assert first_token.wait(60)
+    finally:
+        on_loop(loop, engine.stop)
+    beats = [step_s for n, step_s in arrivals[:arrivals.index(next(a for a in arrivals if a[0]))]]
+    assert len(beats) >= 2 and set(beats) == {0.0}

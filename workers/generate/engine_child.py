@@ -17,6 +17,7 @@ from workers.generate.chunks import ChunkPolicy
 from workers.generate.engine_pipe import (Abort, Add, Failed, Ready, Step, Tune, decode_to_child, encode,
                                           write_frame)
 from workers.generate.engine_thread import EngineThread, engine_limits, make_engine
+from workers.generate.outputs import StepOutputs
 from workers.generate.token_holder import TokenHolder
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 # lateness at most): steps faster than this carry them out themselves.
 RELEASE_TICK_S = 0.005
 _WAKE = object()  # (in the outbox's queue: tokens are held now, so wait with the tick)
+# Steps with no outputs send the worker an empty step this often (its stall watch: `deliver`).
+BEAT_EVERY_S = 1.0
+BEAT = Step(StepOutputs(), 0.0)  # (step_s 0: not a step in the metrics; past the holder)
 
 
 class Outbox:
@@ -114,7 +118,7 @@ class Outbox:
     def _send(self, message: Step | Failed, direct: bool = False) -> None:
         """Write a message; a step through the holder first (what it hands on, if anything).
         `direct`: written by the engine thread (`put`), not the outbox thread."""
-        if self.holder is None or not isinstance(message, Step):
+        if self.holder is None or not isinstance(message, Step) or message is BEAT:
             self._write(encode(message))
             return
         with self._holding:
@@ -202,11 +206,21 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
     write_frame(steps, encode(Ready(engine_limits(engine))))
     outbox = Outbox(steps, holder=TokenHolder(policy) if policy is not None else None, on_failure=_exit_failed)
 
+    handed = [time.monotonic()]  # when a step last went to the worker
+
     def deliver(outputs: list, step_s: float) -> None:
         if thread.failure is not None:
             outbox.put(Failed(f"{type(thread.failure).__name__}: {thread.failure}"))
         elif outputs:
             outbox.put(Step(outputs, step_s))
+            handed[0] = time.monotonic()
+        elif time.monotonic() - handed[0] >= BEAT_EVERY_S:
+            # Steps with nothing to hand on (the parts of a long prompt's prefill) sent
+            # nothing: the worker's stall watch heard no step for as long as the prefill
+            # took, and past --engine-stall-s stopped the worker as stuck (and the next
+            # owner, re-running the request, the same way). An empty step says it steps.
+            outbox.put(BEAT)
+            handed[0] = time.monotonic()
 
     thread = EngineThread(engine, deliver, min_step_s=min_step_s)  # (tokens are held in the outbox)
     thread.start()
