@@ -502,3 +502,15 @@ async def test_partitions_a_topic_gains_are_read_by_a_running_client_and_by_foll
         stop.set()
         await asyncio.wait_for(follower, 30)
         await producer.stop()
+
+
+async def test_a_request_too_large_for_kafka_is_the_caller_s_error_not_unavailable(kafka_settings, make_topics):
+    """A request whose record Kafka does not take for its size (a long prompt, many stop
+    strings) raised the producer's KafkaError as it was: the gateway answered it 503
+    "genpipe is unavailable", which the SDKs retry. It is a GenpipeError with code 413."""
+    await make_topics(kafka_settings, partitions=1)
+    async with GenpipeClient(settings=kafka_settings, timeout_s=20) as client:
+        with pytest.raises(GenpipeError) as raised:
+            await client.complete(make_request([70_000] * 300_000))  # ~1.5 MB of msgpack
+    assert raised.value.code == 413 and raised.value.type == "invalid_request_error"
+    assert "too large for Kafka" in raised.value.message

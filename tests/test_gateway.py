@@ -66,6 +66,12 @@ def test_a_chat_body_maps_onto_a_request():
     ({"prompt": [1, 2**64]}, "completion", "prompt", 400),
     ({"prompt": "x", "stop_token_ids": [2**70]}, "completion", "stop_token_ids", 400),
     ({"prompt": "x", "temperature": 10**400}, "completion", "temperature", 400),  # (float() overflows)
+    # sizes a request's rules bound: the record was too large for Kafka, and that came
+    # back as a 503 "genpipe is unavailable" (retried by the SDKs)
+    ({"prompt": "x", "stop": ["y" * 100_000] * 11}, "completion", "stop", 400),
+    ({"prompt": "x", "stop": "y" * 1001}, "completion", "stop", 400),
+    ({"prompt": "x", "stop": ""}, "completion", "stop", 400),
+    ({"prompt": "x", "stop_token_ids": list(range(1025))}, "completion", "stop_token_ids", 400),
 ])
 def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     with pytest.raises(BadParameter) as err:
@@ -83,6 +89,20 @@ def test_a_prompt_with_no_room_in_the_context_is_refused_before_the_fan_out():
         _check_context([[1], [1] * 2048], 2048, "prompt")
     assert err.value.param == "prompt" and err.value.status == 400
     assert str(err.value).startswith("prompt[1] has 2048 tokens but the model's context is 2048")
+
+
+def test_null_is_not_given():
+    """Clients built from typed request models send every field, null where unset: OpenAI
+    and vLLM read null as "not given". A null temperature got 400, and a chat's null
+    max_completion_tokens beside max_tokens 50 dropped the 50 (it ran to the context)."""
+    nulls = dict.fromkeys(["temperature", "top_p", "min_p", "min_tokens", "priority", "seed", "stop", "n", "model"])
+    p = parse({"messages": [{"role": "user", "content": "x"}], "max_tokens": 50, "max_completion_tokens": None,
+               **nulls}, "chat", "m")
+    assert p.n == 1 and p.options["max_tokens"] == 50
+    assert {k: p.options[k] for k in ("temperature", "top_p", "min_p", "min_tokens", "priority", "seed", "stop")} == \
+        {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "min_tokens": 0, "priority": 0, "seed": None, "stop": []}
+    assert parse({"messages": [{"role": "user", "content": "x"}], "max_tokens": None, "max_completion_tokens": 7},
+                 "chat", "m").options["max_tokens"] == 7
 
 
 def test_continuous_usage_stats_as_vllm_reads_them():
@@ -459,20 +479,24 @@ async def test_a_client_that_goes_away_cancels_its_request(kafka_settings, make_
 
 @pytest.mark.kafka
 async def test_a_reader_that_falls_behind_is_cut_off_and_its_request_cancelled(kafka_settings, make_topics,
-                                                                              tiny_model_dir):
+                                                                              tiny_model_dir, monkeypatch):
     """The bound behind --max-unread, on the client the gateway uses: a request whose reader
     stops taking records (an HTTP client that stopped reading parks the gateway's writer)
-    is cancelled as soon as `max_unread` records wait, without waiting for that reader;
-    the reader, when it comes back, gets GenpipeOverflow (the gateway's error event)."""
+    is cancelled as soon as `max_unread` records wait, the oldest for `STALLED_AFTER_S`
+    (0.5 s here), without waiting for that reader; the reader, when it comes back, gets
+    GenpipeOverflow (the gateway's error event)."""
     from schemas import Cancel
     from tests.kafka_helpers import read_topic
     from workers.client import GenpipeClient, GenpipeOverflow, make_request
     from workers.kafka.records import decode_message
 
+    import workers.mailbox
+
     await make_topics(kafka_settings, partitions=2)
+    monkeypatch.setattr(workers.mailbox, "STALLED_AFTER_S", 0.5)
     async with running_stack(kafka_settings, tiny_model_dir, step_s=0.002):
         async with GenpipeClient(settings=kafka_settings, max_unread=8, timeout_s=60) as client:
-            request = make_request([1, 5, 6], max_tokens=3000, ignore_eos=True, stream=True)
+            request = make_request([1, 5, 6], max_tokens=100_000, ignore_eos=True, stream=True)  # (till cancelled)
             records = client.records(request)
             first = await records.__anext__()  # sent, its first record read; then not reading
             assert not first.final
@@ -555,13 +579,33 @@ def _relayed(metrics: httpx.Response) -> float:
 async def test_without_workers_health_is_503_and_a_request_times_out_with_504(kafka_settings, make_topics,
                                                                               tiny_model_dir):
     await make_topics(kafka_settings, partitions=2)
-    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0) as \
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0,
+                               answer_timeout_s=1.0) as \
             (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
         health = await http.get("/health")
         assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        assert "raise --answer-timeout" in r.json()["error"]["message"]
         assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
+async def test_a_non_streamed_answer_longer_than_the_stream_timeout_is_waited_for(kafka_settings, make_topics,
+                                                                                tiny_model_dir):
+    """A non-streamed answer comes in one record when its request ends: with --timeout (a
+    stream's wait between two records) as its wait, every answer that took longer got
+    504 and its request was cancelled. It waits --answer-timeout, or the request's own
+    timeout if longer."""
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.05, timeout_s=1.0, answer_timeout_s=1.0) \
+            as (base, _), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        long = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 60, "ignore_eos": True}  # ~3 s
+        r = await http.post("/v1/completions", json={**long, "timeout": 30})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 60
+        r = await http.post("/v1/completions", json=long)
+        assert r.status_code == 504  # (--answer-timeout 1 s: the request's own timeout raised it above)
 
 
 @pytest.mark.kafka

@@ -89,7 +89,8 @@ def test_a_bounded_inbox_drops_what_was_unread_and_says_so_once():
     overflows = []
 
     async def main():
-        box = Mailbox(timeout_s=60, max_items=3, on_overflow=lambda: overflows.append(len(box._items)))
+        box = Mailbox(timeout_s=60, max_items=3, on_overflow=lambda: overflows.append(len(box._items)),
+                      stalled_after_s=0)  # (behind as soon as full: see the next test)
         box.start()
         for i in range(3):
             box.put(i)
@@ -102,3 +103,30 @@ def test_a_bounded_inbox_drops_what_was_unread_and_says_so_once():
     got, dropped, left = run(main())
     assert got == [OVERFLOW] and dropped == 6 and left == 0
     assert overflows == [0]  # called once, at the overflow, before any get (the reader may never come)
+
+
+def test_a_burst_past_the_bound_is_not_a_stall_but_a_reader_that_takes_nothing_is():
+    """The client's reader hands a whole poll's records to the inboxes before any request's
+    reader runs: after a lag of its own (a GC pause, a broker's hiccup) that is thousands
+    of one stream's records at once, and a bound of 1,024 gave up every long stream that
+    was reading fine. A full inbox is its reader's stall only once its oldest record has
+    waited `stalled_after_s`."""
+    async def main():
+        box = Mailbox(timeout_s=60, max_items=1024)
+        box.start()
+        for i in range(3000):
+            box.put(i)
+        burst = [await box.get() for _ in range(3000)]
+        stalled = Mailbox(timeout_s=60, max_items=3, stalled_after_s=0.05)
+        stalled.start()
+        for i in range(5):
+            stalled.put(i)  # full, but just put: kept
+        kept = len(stalled._items)
+        deadline = asyncio.get_running_loop().time() + 0.05
+        while asyncio.get_running_loop().time() < deadline:  # the reader takes nothing
+            await asyncio.sleep(0.01)
+        stalled.put(5)
+        return burst, kept, await stalled.get(), stalled.overflowed
+    burst, kept, then, dropped = run(main())
+    assert burst == list(range(3000)) and kept == 5
+    assert then is OVERFLOW and dropped == 6

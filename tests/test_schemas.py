@@ -266,6 +266,8 @@ def test_a_chunk_s_integers_past_64_bits_are_refused_at_decode(field, value):
     (dict(output={"stop": ["a"] * 17}), "output.stop", "may hold at most 16 strings, got 17"),
     (dict(output={"stop": ["end", "x" * 1001]}), "output.stop[1]", "must be a string of 1..1000 characters, got 1001"),
     (dict(output={"stop": [""]}), "output.stop[0]", "must be a string of 1..1000 characters, got 0"),
+    (dict(sampling={"stop_token_ids": list(range(1025))}), "sampling.stop_token_ids",
+     "may hold at most 1024 ids, got 1025"),
     (dict(sampling={"top_p": 0}), "sampling.top_p", "must be in (0, 1]"),
     (dict(sampling={"min_p": 1.5}), "sampling.min_p", "must be in [0, 1]"),
     (dict(sampling={"top_k": -3}), "sampling.top_k", "must be -1 or 0 (disabled)"),

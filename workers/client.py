@@ -71,7 +71,8 @@ class GenpipeClient:
     bounds the wait for Kafka to acknowledge a request or a cancel: past it the call
     raises `GenpipeUnavailable` (the record may still be delivered once Kafka is back).
     `max_unread` bounds the records one request may have waiting unread (None: no
-    bound); a request whose reader falls that far behind is cancelled at once and its
+    bound); a request whose reader falls that far behind, its oldest record not taken
+    for 5 s (`mailbox.STALLED_AFTER_S`), is cancelled at once and its
     reader gets `GenpipeOverflow` (a `GenpipeError`, code 500): the HTTP gateway sets it,
     so a client that stops reading its stream cannot make the gateway grow without end.
     """
@@ -180,6 +181,8 @@ class GenpipeClient:
                     mailbox = self._waiting.get(message.key.decode("utf-8", "replace"))
                     if mailbox is not None:
                         mailbox.put(message)
+                if records:
+                    await asyncio.sleep(0)  # the requests' readers take them before the next poll
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the follower broke: wake every waiting request
@@ -214,12 +217,16 @@ class GenpipeClient:
         await self._send("cancel", Cancel(request_id=request_id, reason=reason), request_id)
 
     async def _send(self, role: str, record, request_id: str) -> None:
-        from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+        from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, MessageSizeTooLargeError
 
         topic = self.settings.topic(role)
         try:
             await asyncio.wait_for(self._producer.send_and_wait(
                 topic, encode(record), key=request_id.encode(), headers=headers_for(record)), self.send_timeout_s)
+        except MessageSizeTooLargeError as exc:  # (the producer's limit, or the topic's): the request's fault
+            raise GenpipeError(f"the {role} record of request {request_id} is too large for Kafka ({exc}): send a "
+                               f"shorter prompt, or fewer stop strings or ids", "invalid_request_error", code=413,
+                               request_id=request_id) from exc
         except (asyncio.TimeoutError, KafkaTimeoutError, KafkaConnectionError) as exc:
             # (other Kafka errors, e.g. a topic the ACLs refuse, are the caller's to see as they are)
             why = "no acknowledgement" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
@@ -252,9 +259,10 @@ class GenpipeClient:
         mailbox = Mailbox(timeout, keepalive_s, self.max_unread,
                           on_overflow=lambda: self.cancel_soon(rid, self._overflow_message(rid, mailbox)))
         self._waiting[rid] = mailbox  # before sending: no result can slip past
-        finished = False
+        finished = sent = False
         try:
             await self.submit(request)
+            sent = True
             mailbox.start()
             filt = AttemptFilter()
             while True:
@@ -285,10 +293,16 @@ class GenpipeClient:
                 del self._waiting[rid]
             # (a reader that fell behind was cancelled when it happened: cancel_soon)
             if not finished and not mailbox.overflowed and self.cancel_on_abandon and self._producer is not None:
-                try:
-                    await self.cancel(rid, "client gave up waiting")
-                except Exception as exc:  # best effort
-                    log.debug("could not cancel %s: %s", rid, exc)
+                if not sent:
+                    # Kafka did not take the request in time (it may still, once back): the
+                    # cancel goes in the background, as the caller already waited the send
+                    # timeout once (awaited, a second one doubled what `submit` raised after).
+                    self.cancel_soon(rid, "client gave up waiting")
+                else:
+                    try:
+                        await self.cancel(rid, "client gave up waiting")
+                    except Exception as exc:  # best effort
+                        log.debug("could not cancel %s: %s", rid, exc)
 
     def _accept(self, filt: AttemptFilter, rid: str, message, received_at: float = 0.0) -> ResultMessage | None:
         headers = list(message.headers or ())

@@ -16,7 +16,11 @@ fires only after a quiet spell and then decides:
 With `max_items`, an inbox is bounded: a reader that falls that far behind (an HTTP client
 that stopped reading while its request still produces) does not make the process grow
 without end. What it had not read is dropped at once and `OVERFLOW` is all it gets next:
-the request has failed, and its reader says so.
+the request has failed, and its reader says so. Behind means behind for a while: the
+oldest record it has not taken came `STALLED_AFTER_S` ago or more. A reader that reads
+on is never given up on a burst: the client's reader hands over a whole poll's records
+(thousands, after any lag of its own) before the request's reader runs once, and every
+long stream of a gateway ended at such a moment.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ KEEPALIVE = _Marker("KEEPALIVE")
 OVERFLOW = _Marker("OVERFLOW")
 # The loop may run a timer up to its clock resolution early; an early wake-up re-arms.
 _EARLY_S = 1e-3
+# How long the oldest unread record waits before a full inbox counts as its reader's stall.
+STALLED_AFTER_S = 5.0
 
 
 class Mailbox:
@@ -46,10 +52,10 @@ class Mailbox:
     the request itself (its records are as many as its chunks)."""
 
     __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s",
-                 "max_items", "overflowed", "received_at", "on_overflow")
+                 "max_items", "stalled_after_s", "overflowed", "received_at", "on_overflow")
 
     def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None,
-                 on_overflow=None):
+                 on_overflow=None, stalled_after_s: float | None = None):
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._loop = asyncio.get_running_loop()
@@ -58,6 +64,7 @@ class Mailbox:
         self.timeout_s = float(timeout_s)
         self.keepalive_s = float(keepalive_s) if keepalive_s else None
         self.max_items = max_items
+        self.stalled_after_s = STALLED_AFTER_S if stalled_after_s is None else stalled_after_s
         self.overflowed = 0  # items dropped: unread when the bound was reached, and after
         self.received_at = 0.0  # when the item `get` returned last was put (the loop's clock)
         # Called once, when the bound is reached: the reader may be parked for good (an HTTP
@@ -69,7 +76,8 @@ class Mailbox:
         if self.overflowed:
             self.overflowed += 1
             return
-        if self.max_items is not None and len(self._items) >= self.max_items:
+        items = self._items
+        if self.max_items is not None and len(items) >= self.max_items and now - items[0][1] >= self.stalled_after_s:
             self.close()  # the request has failed: no timeout or keep-alive after this
             self.overflowed = len(self._items) + 1
             self._items.clear()

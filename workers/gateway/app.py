@@ -53,6 +53,9 @@ class GatewayConfig:
     max_in_flight: int = 1024  # open requests at most; more get 429
     max_logprobs: int = 20
     timeout_s: float = 120.0  # no result for this long: 504
+    # A non-streamed answer comes whole, in one record, when its request ends: no result
+    # for this long (or for the request's own timeout, if longer): 504
+    answer_timeout_s: float = 600.0
     send_timeout_s: float = 15.0  # Kafka took no request for this long: 503
     keepalive_s: float = 15.0  # an idle stream gets a comment line this often (proxies close silent ones)
     max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
@@ -163,7 +166,7 @@ class Gateway:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
                                             parsed.options.get("continuous_usage", False)),
                                self.stall_watch, choices[0].request_id)
-        return await self._complete(request, choices, prompt_of)
+        return await self._complete(request, choices, prompt_of, max(self.config.answer_timeout_s, timeout or 0))
 
     def _prompt_ids(self, parsed) -> list[list[int]]:
         try:
@@ -173,10 +176,12 @@ class Gateway:
         except (ValueError, TemplateError) as exc:  # no chat template, a template that refuses the messages
             raise BadParameter("messages" if parsed.kind == "chat" else "prompt", str(exc)) from None
 
-    async def _complete(self, request: Request, choices: list, prompt_of: list[int]) -> Response:
-        """A non-streamed request: one JSON answer. A client that goes away cancels it."""
+    async def _complete(self, request: Request, choices: list, prompt_of: list[int], timeout_s: float) -> Response:
+        """A non-streamed request: one JSON answer. A client that goes away cancels it. Its
+        one result record comes when it ends: waited for `timeout_s` (with --timeout, a
+        stream's wait between two records, every answer longer than that got 504)."""
         self.in_flight += 1
-        done = asyncio.ensure_future(asyncio.gather(*(self.client.complete(c) for c in choices)))
+        done = asyncio.ensure_future(asyncio.gather(*(self.client.complete(c, timeout_s=timeout_s) for c in choices)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -188,7 +193,8 @@ class Gateway:
             try:
                 results = self._results(done, choices)
             except GenpipeTimeout as exc:
-                return error_response(504, str(exc), "timeout")
+                return error_response(504, f"{exc} (a non-streamed answer comes whole when its request ends: "
+                                           f"give a longer one a timeout, or raise --answer-timeout)", "timeout")
             except GenpipeError as exc:
                 status = exc.code if isinstance(exc.code, int) and 400 <= exc.code < 600 else 500
                 return error_response(status, exc.message, exc.type, exc.param)

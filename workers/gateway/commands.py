@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = Gateway(settings, GatewayConfig(
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
-        timeout_s=args.timeout, max_unread=args.max_unread,
+        timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
@@ -93,7 +93,8 @@ def register(sub) -> None:
                        help="open requests at most; more get 429 (default %(default)s)")
     serve.add_argument("--max-unread", type=at_least(1), default=1024,
                        help="result records one request may have waiting while its HTTP client does not "
-                            "read (past the socket's buffers); a stream that falls further behind ends with "
+                            "read (past the socket's buffers); a stream that falls further behind, its oldest "
+                            "record unread for 5 s, ends with "
                             "an error event and its request is cancelled, so a stalled client cannot make "
                             "the gateway grow without end (default %(default)s)")
     serve.add_argument("--max-body-mib", type=at_least(1), default=16,
@@ -105,7 +106,12 @@ def register(sub) -> None:
                             "full) before the stream is given up: the request cancelled and its --max-in-flight "
                             "slot freed (default %(default)s)")
     serve.add_argument("--timeout", type=at_least(1.0, float), default=120.0,
-                       help="seconds without a result before a request gets 504 (default %(default)s)")
+                       help="seconds a stream waits for its next result before it ends with a 504 error "
+                            "(default %(default)s)")
+    serve.add_argument("--answer-timeout", type=at_least(1.0, float), default=600.0,
+                       help="seconds a non-streamed request waits for its answer, which comes whole when the "
+                            "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
+                            "header X-Request-Timeout) raises it (default %(default)s)")
     add_log_level(serve)
     add_max_logprobs(serve)
     KafkaSettings.add_arguments(serve)

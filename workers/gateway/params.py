@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.records import INT64_MAX, INT64_MIN
-from schemas.validation import MAX_STOP_STRINGS
+from schemas.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 # Parameters with a meaning genpipe does not implement: refused by name rather than
 # silently ignored (a caller relying on them would get different output).
@@ -58,7 +58,7 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
         if name in body and used(body[name]):
             what = "is not supported by genpipe" if name in UNSUPPORTED else "is not supported by this gateway yet"
             raise BadParameter(name, f"{name} {what}")
-    model = body.get("model", model_name)
+    model = _given(body, "model", model_name)
     if model != model_name:
         raise BadParameter("model", f"the model {str(model)[:200]!r} does not exist; this gateway serves "
                                     f"{model_name!r}", status=404, kind="not_found_error")
@@ -73,22 +73,28 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     if parsed.n * max(1, len(parsed.prompts)) > MAX_CHOICES:
         raise BadParameter("n", f"prompts × n must be at most {MAX_CHOICES}, got "
                                 f"{len(parsed.prompts)} × {parsed.n}")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if kind == "chat" else body.get("max_tokens")
-    param = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    # (null is "not given", as OpenAI's and vLLM's request models read it: typed clients
+    # send every field, null where unset)
+    param = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(param)
     opts["max_tokens"] = _int(max_tokens, param, 0, None) if max_tokens is not None else (16 if kind == "completion" else None)
-    opts["min_tokens"] = _int(body.get("min_tokens", 0), "min_tokens", 0, None)
-    opts["temperature"] = _float(body.get("temperature", 1.0), "temperature", 0.0, 2.0)
-    opts["top_p"] = _float(body.get("top_p", 1.0), "top_p", 0.0, 1.0, open_low=True)
+    opts["min_tokens"] = _int(_given(body, "min_tokens", 0), "min_tokens", 0, None)
+    opts["temperature"] = _float(_given(body, "temperature", 1.0), "temperature", 0.0, 2.0)
+    opts["top_p"] = _float(_given(body, "top_p", 1.0), "top_p", 0.0, 1.0, open_low=True)
     opts["top_k"] = _int(body.get("top_k", 0) or 0, "top_k", -1, None)
-    opts["min_p"] = _float(body.get("min_p", 0.0), "min_p", 0.0, 1.0)
+    opts["min_p"] = _float(_given(body, "min_p", 0.0), "min_p", 0.0, 1.0)
     seed = body.get("seed")
     opts["seed"] = None if seed is None else _int(seed, "seed", -(2 ** 63), 2 ** 63 - 1)
     opts["stop"] = _stop(body.get("stop"))
     opts["stop_token_ids"] = _ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    if len(opts["stop_token_ids"]) > MAX_STOP_TOKEN_IDS:
+        raise BadParameter("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                             f"{len(opts['stop_token_ids'])}")
     opts["ignore_eos"] = _bool(body, "ignore_eos", False)
     opts["include_stop_str_in_output"] = _bool(body, "include_stop_str_in_output", False)
     opts["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
-    opts["priority"] = _int(body.get("priority", 0), "priority", -(2 ** 31), 2 ** 31 - 1)
+    opts["priority"] = _int(_given(body, "priority", 0), "priority", -(2 ** 31), 2 ** 31 - 1)
     if kind == "completion":
         if body.get("logprobs") is not None:
             opts["logprobs"] = _int(body["logprobs"], "logprobs", 0, max_logprobs)
@@ -162,10 +168,18 @@ def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= MAX_STOP_STRINGS:
+        for s in value:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:  # (else a 503 once the record was too large for Kafka)
+                raise BadParameter("stop", f"stop strings must be 1..{MAX_STOP_CHARS} characters, got {len(s)}")
         return list(value)
     raise BadParameter("stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+
+
+def _given(body: dict, name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _is_int64(v: Any) -> bool:
