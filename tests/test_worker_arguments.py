@@ -51,6 +51,19 @@ def test_defaults_and_good_values_parse_to_numbers(monkeypatch):
     assert parse(["generate-worker"]).engine_stall_s == 0.0  # (off)
 
 
+def test_replay_and_file_mode_render_with_the_worker_s_tokenizer_and_model_name(monkeypatch, tmp_path):
+    """`genpipe replay` and `genpipe derender` ignored GENPIPE_TOKENIZER and
+    GENPIPE_MODEL_NAME, which the worker reads: run in a deployment's environment, a
+    replay rendered a real model's ids with the tiny tokenizer (every request a bad
+    chunk), and named another model."""
+    monkeypatch.setenv("GENPIPE_TOKENIZER", str(tmp_path))
+    monkeypatch.setenv("GENPIPE_MODEL_NAME", "llama-8b")
+    worker = parse(["derender-worker"])
+    for argv in (["replay", "--from", "0", "--out", "y"], ["derender", "--in", "x", "--out", "y"]):
+        args = parse(argv)
+        assert (args.tokenizer, args.model_name) == (worker.tokenizer, worker.model_name) == (str(tmp_path), "llama-8b")
+
+
 def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypatch, capsys):
     monkeypatch.delenv("GENPIPE_EVENT_LOOP", raising=False)
     assert parse(["generate-worker"]).event_loop == "auto"

@@ -9,8 +9,7 @@ import os
 import sys
 
 from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of
-from workers.derender.commands import add_stalled_request_option
-from workers.derender.state import DEFAULT_MODEL_NAME
+from workers.derender.commands import add_model_options, add_stalled_request_option
 from workers.generate.stall import ENGINE_STALL_S
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
@@ -278,11 +277,7 @@ def register(sub) -> None:
                     "text and OpenAI-shaped logprobs (with byte-fallback correction), and publish chat / "
                     "completion results (JSON) to <prefix>.results or the request's reply_topic. Stop "
                     "strings publish a Cancel to <prefix>.cancel.")
-    der.add_argument("--tokenizer", default=os.environ.get("GENPIPE_TOKENIZER"),
-                     help="local Hugging Face tokenizer directory (env GENPIPE_TOKENIZER; default: "
-                          "the built-in tiny model's)")
-    der.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
-                     help="`model` in results when the request names none (default %(default)s)")
+    add_model_options(der)
     add_stalled_request_option(der)
     _common(der)
     der.set_defaults(func=_run_derender)

@@ -11,13 +11,22 @@ from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S
 from workers.derender.state import DEFAULT_MODEL_NAME
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """--tokenizer and --model-name, with the environment's defaults: the worker's and the
+    offline derenders' (file mode, replay), which must render the same records (a replay
+    in a deployment's environment rendered a real model's ids with the tiny tokenizer:
+    every request a bad chunk)."""
+    p.add_argument("--tokenizer", metavar="DIR", default=os.environ.get("GENPIPE_TOKENIZER"),
+                   help="local Hugging Face model or tokenizer directory (env GENPIPE_TOKENIZER; default: the "
+                        "built-in tiny model's)")
+    p.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
+                   help="`model` of results whose request did not name one (env GENPIPE_MODEL_NAME; default "
+                        "%(default)s)")
+
+
 def add_derender_options(p: argparse.ArgumentParser) -> None:
     """The options every offline derender (file mode, replay) shares with the worker."""
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="model or tokenizer directory (default: the built-in tiny spm model)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
-                   help="`model` of results whose request did not name one (default: %(default)s, "
-                        "as the derender worker)")
+    add_model_options(p)
     add_max_logprobs(p)
 
 
