@@ -116,3 +116,21 @@ def test_missing_tokenizer_and_input(tmp_path, capsys):
     assert cli.main(["derender", "--in", str(tmp_path / "missing.jsonl"),
                      "--tokenizer", str(tokenizer_dir("spm"))]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_result_over_the_record_limit_becomes_the_worker_s_error(tmp_path, capsys):
+    """File mode wrote a result of any size, where a worker (and `genpipe replay`) puts
+    the error result in its place: not the records a worker publishes, as it promises."""
+    tables = tables_for("spm")
+    ids = encode_ids(tables, " hello world") * 30
+    big = make_chunks("big", ids, [len(ids)], output=OutputOptions(kind="completion", top_logprobs=3),
+                      positions=[position(i, [i, 5, 6, 7]) for i in ids])
+    src, dst = tmp_path / "chunks.jsonl", tmp_path / "results.jsonl"
+    src.write_text(json.dumps({"key": "big", "value": json.loads(encode(big[0], JSON))}) + "\n")
+    argv = ["derender", "--in", str(src), "--out", str(dst), "--tokenizer", str(tokenizer_dir("spm"))]
+    assert cli.main(argv) == 0
+    (whole,) = read_out(dst.read_text())
+    size = len(json.dumps(whole["value"]))
+    assert cli.main(argv + ["--max-record-bytes", str(size // 2)]) == 0
+    (error,) = read_out(dst.read_text())
+    assert "result too large" in error["value"]["error"]["message"] and error["headers"]["genpipe-final"] == "1"

@@ -9,6 +9,7 @@ import sys
 from workers.cli_options import add_max_logprobs, at_least
 from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S
 from workers.derender.state import DEFAULT_MODEL_NAME
+from workers.kafka.settings import MAX_RECORD_BYTES
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def add_derender_options(p: argparse.ArgumentParser) -> None:
     """The options every offline derender (file mode, replay) shares with the worker."""
+    p.add_argument("--max-record-bytes", type=at_least(1024),
+                   default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", str(MAX_RECORD_BYTES)),
+                   help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
+                        "%(default)s): a result over it becomes the same error result the worker published")
     add_model_options(p)
     add_max_logprobs(p)
 
@@ -91,7 +96,7 @@ def run_derender(args: argparse.Namespace) -> int:
             print(f"genpipe derender: {exc}", file=sys.stderr)
             return 2
         name = "stdin" if args.input == "-" else args.input
-        summary = run(derenderer, source, sink, cancels=cancels, source=name)
+        summary = run(derenderer, source, sink, cancels=cancels, source=name, max_record_bytes=args.max_record_bytes)
         sink.flush()
     finally:
         for f in opened:

@@ -20,6 +20,9 @@ from schemas.codec import HEADER_CONTENT_TYPE, HEADER_SCHEMA, JSON, decode, sche
 from schemas.errors import RecordError
 from schemas.records import Cancel, GenerateChunk
 from workers.derender.state import CancelRequest, Derenderer, Result
+from workers.derender.undeliverable import within_record_limit
+from workers.kafka.records import Outgoing
+from workers.kafka.settings import MAX_RECORD_BYTES
 
 
 class _InLine(msgspec.Struct):
@@ -69,8 +72,10 @@ def cancel_line(cancel: CancelRequest) -> bytes:
 
 def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
         cancels: IO[bytes] | None = None, errors: IO[str] | None = None,
-        source: str = "input") -> Summary:
-    """Derender every line of `lines` into `out`; report bad lines on `errors`."""
+        source: str = "input", max_record_bytes: int = MAX_RECORD_BYTES) -> Summary:
+    """Derender every line of `lines` into `out`; report bad lines on `errors`. A result
+    over `max_record_bytes` becomes the error result a worker publishes in its place
+    (`within_record_limit`, as `genpipe replay`): file mode wrote it whole."""
     errors = errors if errors is not None else sys.stderr
     summary = Summary()
     write = out.write
@@ -83,7 +88,7 @@ def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
             errors.write(f"genpipe derender: {source}:{number}: {_one_line(exc)}\n")
             continue
         summary.chunks += 1
-        for output in derenderer.process(chunk):
+        for output, _ in within_record_limit(derenderer, derenderer.process(chunk), _sized, max_record_bytes):
             if isinstance(output, Result):
                 summary.results += 1
                 write(result_line(output))
@@ -93,6 +98,13 @@ def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
                     cancels.write(cancel_line(output))
     summary.unfinished = len(derenderer.active_requests())
     return summary
+
+
+def _sized(output) -> Outgoing:
+    """What the record-size rule measures: a result as a worker publishes it."""
+    if isinstance(output, Result):
+        return Outgoing("", output.request_id, output.value, JSON, headers=output.headers)
+    return Outgoing("", output.request_id, Cancel(request_id=output.request_id, reason=output.reason))
 
 
 def _numbered(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections import Counter
 
-from workers.cli_options import at_least, quiet_kafka_logs, resolve_topic, topic_arg
+from workers.cli_options import quiet_kafka_logs, resolve_topic, topic_arg
 from workers.derender.commands import add_derender_options, add_stalled_request_option
-from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
+from workers.kafka.settings import KafkaSettings
 from workers.startup import one_line
 
 _REPLAY_EPILOG = """\
@@ -58,10 +57,6 @@ def register(subparsers) -> None:
     target.add_argument("--out", metavar="FILE", help="write the results as JSON lines; - for stdout")
     p.add_argument("--chunks-topic", type=topic_arg, default=None, metavar="TOPIC",
                    help="topic to read (default: <prefix>.chunks)")
-    p.add_argument("--max-record-bytes", type=at_least(1024),
-                   default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", str(MAX_RECORD_BYTES)),
-                   help="the derender workers' --max-record-bytes (env GENPIPE_MAX_RECORD_BYTES; default "
-                        "%(default)s): a result over it becomes the same error result the worker published")
     add_derender_options(p)
     add_stalled_request_option(p)
     KafkaSettings.add_arguments(p)
