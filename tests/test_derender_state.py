@@ -420,3 +420,27 @@ def test_a_result_no_codec_writes_is_answered_with_an_error_in_its_place(d, tabl
     (only,) = out
     assert isinstance(only[0].value, ErrorResponse) and "could not be encoded" in only[0].value.error.message
     assert only[0].headers == result.headers and only[1].size() > 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_request_not_streamed_ends_once_its_result_cannot_fit_a_record(tables, kind):
+    """A request not streamed held its text and logprobs until its end, only to end then
+    with "result too large" (a long-context answer with top_logprobs 20: hundreds of MB,
+    its first chunk's offset pinned all along, generate running on). With the record
+    limit given, it ends at the chunk after which its result can no longer fit: the same
+    error, and a cancel. One that fits is not ended early: the count is a lower bound."""
+    ids = encode_ids(tables, " one two three four five six seven eight nine ten")
+    output = OutputOptions(kind=kind, top_logprobs=3)
+    whole = Derenderer(tables, max_logprobs=5)
+    chunks = make_chunks("big", ids * 40, [len(ids)] * 40, output=output,
+                         positions=[position(i, [i, 5, 6, 7]) for i in ids * 40])
+    (result,) = results(run_chunks(whole, chunks))
+    from schemas.codec import encode as encode_value
+    size = len(encode_value(result.value, "application/json"))
+    fits = Derenderer(tables, max_logprobs=5, max_result_bytes=size)
+    assert results(run_chunks(fits, chunks)) == [result]
+    early = Derenderer(tables, max_logprobs=5, max_result_bytes=size // 10)
+    out = run_chunks(early, chunks)
+    err = only_error(out)
+    assert "result too large" in err.value.error.message and err.headers["genpipe-seq"] != str(len(chunks) - 1)
+    assert [c.request_id for c in cancels(out)] == ["big"] and not early.is_active("big")

@@ -81,7 +81,8 @@ def run_derender(args: argparse.Namespace) -> int:
 
         tokenizer = default_model_dir("spm")
     try:
-        derenderer = Derenderer(tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs)
+        derenderer = Derenderer(tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
+                                max_result_bytes=args.max_record_bytes)
     except (OSError, ValueError) as exc:
         print(f"genpipe derender: cannot load tokenizer {tokenizer}: {exc}", file=sys.stderr)
         return 2

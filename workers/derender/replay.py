@@ -106,7 +106,8 @@ def run_replay(args: argparse.Namespace) -> int:
         tokenizer = str(default_model_dir("spm"))
     model_name = args.model_name or DerenderWorkerConfig().model_name
     try:
-        derenderer = Derenderer(tokenizer, model_name=model_name, max_logprobs=args.max_logprobs)
+        derenderer = Derenderer(tokenizer, model_name=model_name, max_logprobs=args.max_logprobs,
+                                max_result_bytes=args.max_record_bytes)
     except (OSError, ValueError) as exc:
         print(f"genpipe replay: cannot load tokenizer {tokenizer}: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -36,7 +36,8 @@ def load_derenderer(config: DerenderWorkerConfig):
 
     tokenizer = config.tokenizer or str(default_model_dir("spm"))
     try:
-        return Derenderer(tokenizer, model_name=config.model_name, max_logprobs=config.max_logprobs)
+        return Derenderer(tokenizer, model_name=config.model_name, max_logprobs=config.max_logprobs,
+                          max_result_bytes=config.max_record_bytes)
     except Exception as exc:
         raise StartupError(f"cannot load the tokenizer {tokenizer}: {type(exc).__name__}: {one_line(exc)}") from exc
 

@@ -85,6 +85,15 @@ class Stats:
     stalled: int = 0  # requests ended because their chunks stopped coming (stalls.py)
 
 
+# The fewest bytes a position's logprobs take in a result's JSON: a completion's `"",` for
+# its token, `0.0,` for its logprob, `{},` for its top entries, `0,` for its text offset;
+# a chat's `{"token":"","logprob":0.0,"bytes":null},` for itself and each top entry. The
+# size a request not streamed has reached is counted low with them, so it never ends one
+# that would fit.
+MIN_COMPLETION_POSITION_BYTES = 12
+MIN_CHAT_ENTRY_BYTES = 40
+
+
 @dataclass(slots=True, eq=False)
 class RequestState:
     """One request being derendered: what its seq-0 chunk said, and where its text and
@@ -115,6 +124,7 @@ class RequestState:
     parts: list[str] = field(default_factory=list)  # not streamed: the text so far
     chat_lp: list = field(default_factory=list)  # not streamed, chat: the logprob entries so far
     comp_lp: CompletionLogProbs = field(default_factory=CompletionLogProbs)  # not streamed, completion
+    held_bytes: int = 0  # not streamed: fewer than the bytes its result will take (`_shape`)
     echo_text: str = ""  # echo: the prompt's text, in front of the first result's text
     echo_lp: CompletionLogProbs | None = None  # echo, streamed: the prompt's logprobs, in the first result
     prompt_lp: list | msgspec.UnsetType = msgspec.UNSET  # not streamed: vLLM's prompt_logprobs field
@@ -127,7 +137,8 @@ class Derenderer:
 
     def __init__(self, tokenizer_dir_or_tables, *, model_name: str = DEFAULT_MODEL_NAME,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                 finished_memory: int = 100_000, corrector: Corrector | None = None):
+                 finished_memory: int = 100_000, corrector: Corrector | None = None,
+                 max_result_bytes: int | None = None):
         if isinstance(tokenizer_dir_or_tables, VocabTables):
             tables = tokenizer_dir_or_tables
         elif hasattr(tokenizer_dir_or_tables, "decode_batch"):  # a tokenizers.Tokenizer
@@ -140,6 +151,9 @@ class Derenderer:
         # -1 (or any negative) means "the whole vocabulary", as for generate's setting.
         self.max_logprobs = max_logprobs if max_logprobs >= 0 else tables.size
         self.finished_memory = finished_memory
+        # A request not streamed that will not fit a record of this size ends as soon as
+        # that is certain (`_shape`); None: at its end, by the Kafka layer's rule.
+        self.max_result_bytes = max_result_bytes
         self._active: dict[str, RequestState] = {}
         # request id -> its request record's offset; insertion-ordered: oldest evicted first
         self._finished: dict[str, int | None] = {}
@@ -376,6 +390,17 @@ class Derenderer:
         if req.chat and logprobs:
             req.chat_lp.extend(logprobs)
         if not final:
+            limit = self.max_result_bytes
+            if limit is not None:
+                req.held_bytes += len(text)
+                if req.chat:
+                    if logprobs:
+                        req.held_bytes += MIN_CHAT_ENTRY_BYTES * sum(1 + len(e.top_logprobs) for e in logprobs)
+                    held = req.held_bytes
+                else:  # (its logprobs are the request's so far: `req.comp_lp`)
+                    held = req.held_bytes + MIN_COMPLETION_POSITION_BYTES * len(req.comp_lp.tokens)
+                if held > limit:
+                    return self._too_large(req, rid, chunk, limit)
             return []
         usage = shaping.usage(req.prompt_tokens, req.generated)
         full = "".join(req.parts)
@@ -386,6 +411,19 @@ class Derenderer:
             value = shaping.completion(rid, req.created, req.model, full, req.comp_lp if req.has_lp else None,
                                        finish_reason, usage, req.prompt_lp)
         return [self._finish(req, rid, chunk, value)]
+
+    def _too_large(self, req: RequestState, rid: str, chunk: GenerateChunk, limit: int) -> list[Output]:
+        """A request not streamed whose result cannot fit a record any more: it ends now,
+        with the error the record-size rule gives at its end (undeliverable.py), and a
+        cancel. Held to its end, its text and logprobs took memory without bound (a
+        long-context answer with top_logprobs 20: hundreds of MB, its first chunk's offset
+        pinned all along) and generate ran on for an answer bound to fail."""
+        self.stats.rule_errors += 1
+        message = (f"derender: result too large: over the record size limit of {limit} bytes after "
+                   f"{req.generated} tokens; ask for fewer logprobs or tokens, or stream (a non-streamed "
+                   f"answer holds every token's logprobs in one result, a streamed one those of one chunk)")
+        value = shaping.error_response(message, "invalid_request_error", 400)
+        return [self._finish(req, rid, chunk, value), CancelRequest(rid, "derender: result too large")]
 
     # --- records and bookkeeping -----------------------------------------------------
     def _result(self, req: RequestState, rid: str, chunk: GenerateChunk, value, final: bool) -> Result:
