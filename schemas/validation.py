@@ -16,6 +16,13 @@ from schemas.records import INT64_MAX, INT64_MIN, GenerateRequest, OutputOptions
 
 DEFAULT_MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LENGTH = 256
+# A request whose id breaks the rules (1..MAX_REQUEST_ID_LENGTH characters) is answered
+# with an error keyed by that id, up to this length; a longer one goes to the DLQ: the
+# answer carries the id twice (key and value), and at ~0.5M characters no longer fits a
+# record (its offset was held for good; the client keys its reads by the id it sent).
+# (Not more: the derender remembers 100,000 finished ids; at 1,024 characters, ~100 MB.)
+# A chunk with a longer id (no generate worker writes one) goes to the DLQ too.
+ANSWERABLE_ID_CHARS = 4 * MAX_REQUEST_ID_LENGTH
 # Stop strings are matched against every token's text in the derender's one event loop:
 # 100,000 of them cost it ~18 ms a token. 16 (the gateway's cap too) of the longest take
 # ~30 µs a token (the matcher holds back len(longest) - 1 characters of the stream).

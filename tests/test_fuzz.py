@@ -41,7 +41,7 @@ BAD_REQUESTS = 6_000
 BAD_CHUNKS = 3_000
 BAD_CANCELS = 1_200
 VALID = 36
-RARE = 17  # the records that each once stopped a worker (or held a partition): `rare`
+RARE = 18  # the records that each once stopped a worker (or held a partition): `rare`
 NOT_MSGPACK = b"\xc1"  # a byte msgpack never uses, and not '{': undecodable as either codec
 
 
@@ -236,6 +236,9 @@ def build_plan(prefix: str, rng: random.Random) -> tuple[Plan, dict[str, Generat
                 request_id=rid, attempt="a", seq=0, token_ids=[5] * 2000, finish_reason="length",
                 output=OutputOptions(stop=[f"s{i}" for i in range(100_000)]))), [], "error", rid,
              "100,000 stop strings"),
+            ("chunks", "k-long", encode(GenerateChunk(request_id=long_id, attempt="a", seq=0, token_ids=[5],
+                                                      finish_reason="length")), [], "dlq", None,
+             "request_id too long to keep"),  # (remembered as finished: 100,000 of them)
             ("cancel", rid, deep_json, jh, "none", None, "nested 5,000 deep"),
             ("cancel", "k-long", encode(Cancel(request_id=long_id)), [], "none", None, "id of 600,000 characters"),
         ]

@@ -22,6 +22,13 @@ def parse(argv: list[str]):
     (["generate-worker", "--engine-stall-s", "nan"], "argument --engine-stall-s: must be at least 0.0"),
     (["derender-worker", "--commit-interval-ms", "0"], "argument --commit-interval-ms: must be at least 1.0, got 0"),
     (["derender-worker", "--max-logprobs", "-2"], "argument --max-logprobs: must be at least -1, got -2"),
+    # a mistyped address or port was a traceback from the client's first connection
+    (["tail", "--bootstrap-servers", "kafka:9O92"], "argument --bootstrap-servers: expected host:port"),
+    (["replay", "--from", "0", "--out", "-", "--bootstrap-servers", "127.0.0.1:99999"],
+     "argument --bootstrap-servers: expected host:port[,host:port...] with ports 1..65535, got '127.0.0.1:99999'"),
+    (["generate-worker", "--metrics-port", "70000"], "argument --metrics-port: must be a port number, at most 65535"),
+    (["serve", "--port", "0"], "argument --port: must be at least 1, got 0"),
+    (["submit", "--token-ids", "1", "--seed", str(2**70)], "argument --seed: must fit in 64 bits"),
 ])
 def test_out_of_range_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -37,6 +44,16 @@ def test_environment_defaults_are_checked_like_flags(monkeypatch, capsys):
     assert "argument --max-batch: expected an integer, got 'zero'" in capsys.readouterr().err
     monkeypatch.setenv("GENPIPE_MAX_BATCH", "8")
     assert parse(["generate-worker"]).max_batch == 8
+
+
+def test_a_mistyped_bootstrap_server_in_the_environment_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("GENPIPE_BOOTSTRAP_SERVERS", "kafka-0:9092,kafka-1:9O92")
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["submit", "--token-ids", "1"])
+    assert exit_info.value.code == 2
+    assert "argument --bootstrap-servers: expected host:port" in capsys.readouterr().err
+    monkeypatch.setenv("GENPIPE_BOOTSTRAP_SERVERS", "kafka-0:9092, [::1]:9093,kafka-2")
+    assert parse(["submit", "--token-ids", "1"]).bootstrap_servers == "kafka-0:9092,[::1]:9093,kafka-2"
 
 
 def test_defaults_and_good_values_parse_to_numbers(monkeypatch):

@@ -22,6 +22,50 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def int64(text: str) -> int:
+    """An argparse type: an integer that fits a record's 64 bits (a larger seed could not
+    be encoded: a traceback from the send)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -(2 ** 63) <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"must fit in 64 bits, got {text}")
+    return value
+
+
+def port_number(minimum: int = 1):
+    """An argparse type: a TCP port, `minimum`..65535 (0 where it means "none")."""
+    in_range = at_least(minimum)
+
+    def parse(text: str) -> int:
+        value = in_range(text)
+        if value > 65535:
+            raise argparse.ArgumentTypeError(f"must be a port number, at most 65535, got {text}")
+        return value
+    return parse
+
+
+def bootstrap_servers(text: str) -> str:
+    """An argparse type: Kafka's `host:port[,host:port...]` (IPv6 hosts in brackets; a
+    missing port is 9092). A typo (`kafka:9O92`, `:99999`) was a traceback from deep in the
+    client's first connection, or only its message, rather than one usage line."""
+    entries = [entry.strip() for entry in text.split(",")]
+    for entry in entries:
+        host, port = entry, None
+        if entry.startswith("["):
+            end = entry.find("]")
+            host, rest = (entry[1:end], entry[end + 1:]) if end > 0 else ("", "")
+            if rest and not rest.startswith(":"):
+                host = ""
+            port = rest[1:] if rest else None
+        elif ":" in entry:
+            host, port = entry.rsplit(":", 1)
+        if not host or port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise argparse.ArgumentTypeError(f"expected host:port[,host:port...] with ports 1..65535, got {text!r}")
+    return ",".join(entries)
+
+
 def one_of(*choices: str, fold_case: bool = False):
     """An argparse type: one of `choices` (any case with `fold_case`, given back as the
     choice is spelled). argparse checks `choices=` on flags only, not on a default taken

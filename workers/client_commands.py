@@ -12,7 +12,7 @@ import sys
 import time
 
 from workers.startup import one_line as _one_line
-from workers.cli_options import quiet_kafka_logs, resolve_topic, topic_arg
+from workers.cli_options import int64, quiet_kafka_logs, resolve_topic, topic_arg
 from workers.kafka.settings import KafkaSettings
 
 _SUBMIT_EPILOG = """\
@@ -113,7 +113,7 @@ def _add_submit(subparsers) -> None:
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     s.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default: 0)")
     s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token (default: 0)")
-    s.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible output)")
+    s.add_argument("--seed", type=int64, default=None, help="per-request sampling seed (reproducible output)")
     s.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
                    help="stop when this token id is sampled (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -145,7 +145,7 @@ def _add_submit(subparsers) -> None:
                    help="topic for the results (must exist; default: <prefix>.results)")
     d.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="abort generation S seconds from now (finish_reason=abort)")
-    d.add_argument("--priority", type=int, default=0, help="request priority (default: 0)")
+    d.add_argument("--priority", type=int64, default=0, help="request priority (default: 0)")
     d.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="give up when no result arrives for S seconds (default: 120)")
 
@@ -221,6 +221,7 @@ def run_submit(args: argparse.Namespace) -> int:
 async def _submit(args: argparse.Namespace, request) -> int:
     from aiokafka.errors import KafkaError
 
+    from schemas.headers import HEADER_ERROR
     from workers.client import (GenpipeClient, GenpipeError, assemble, raise_for_error, record_json,
                                 text_of)
     from workers.kafka.clients import KafkaUnreachable
@@ -239,6 +240,7 @@ async def _submit(args: argparse.Namespace, request) -> int:
         async with GenpipeClient(settings=settings, reply_topic=args.reply_topic, timeout_s=args.timeout) as client:
             async for record in client.records(request):
                 answered.set()
+                last = record
                 if record.restart:
                     items.clear()
                     if not args.json:
@@ -261,6 +263,11 @@ async def _submit(args: argparse.Namespace, request) -> int:
                 out.flush()
             final = assemble(items)
             raise_for_error(final, request.request_id)
+            choice = final.choices[0] if getattr(final, "choices", None) else None
+            if choice is not None and choice.finish_reason == "abort":  # (the deadline passed, a cancel)
+                why = last.header(HEADER_ERROR)
+                print(f"genpipe submit: request {request.request_id} was aborted"
+                      + (f": {_one_line(Exception(why))}" if why else ""), file=err)
     except GenpipeError as exc:
         if printed and not args.json:
             out.write("\n")

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of
+from workers.cli_options import add_log_level, add_max_logprobs, at_least, one_of, port_number
 from workers.derender.commands import add_model_options, add_stalled_request_option
 from workers.generate.stall import ENGINE_STALL_S
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
@@ -34,7 +34,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-id", default=os.environ.get("GENPIPE_GROUP_ID"),
                         help="consumer group (env GENPIPE_GROUP_ID; default <topic-prefix>-generate / "
                              "<topic-prefix>-derender, so deployments with different prefixes never share a group)")
-    parser.add_argument("--metrics-port", type=at_least(0), default=os.environ.get("GENPIPE_METRICS_PORT", "0"),
+    parser.add_argument("--metrics-port", type=port_number(0), default=os.environ.get("GENPIPE_METRICS_PORT", "0"),
                         help="serve Prometheus metrics on this port (env GENPIPE_METRICS_PORT; 0 = off)")
     add_max_logprobs(parser)
     parser.add_argument("--grace-period", type=at_least(0.0, float), default=None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from schemas.errors import ValidationError
 from schemas.records import GenerateChunk
-from schemas.validation import candidate_cap, validate_output
+from schemas.validation import ANSWERABLE_ID_CHARS, MAX_REQUEST_ID_LENGTH, candidate_cap, validate_output
 
 
 def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
@@ -24,6 +24,16 @@ def prompt_problem(chunk: GenerateChunk, vocab_size: int) -> str | None:
         for e in (entry, *entry.top_logprobs):
             if not 0 <= e.token_id < vocab_size:
                 return f"prompt_logprobs[{i}] holds id {e.token_id}, out of vocabulary (size {vocab_size})"
+    return None
+
+
+def unanswerable_id(chunk: GenerateChunk) -> str | None:
+    """Why a chunk's request_id is too long to keep (as a finished request's, 100,000 of
+    them) or answer, or None: no generate worker writes one, and the worker sends such a
+    chunk to the DLQ (a replay skips it)."""
+    if len(chunk.request_id) > ANSWERABLE_ID_CHARS:
+        return f"request_id of {len(chunk.request_id)} characters: no generate worker writes one over " \
+               f"{MAX_REQUEST_ID_LENGTH}"
     return None
 
 

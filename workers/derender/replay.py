@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 from workers.cli_options import quiet_kafka_logs, resolve_topic, topic_arg
+from workers.derender.chunk_rules import unanswerable_id
 from workers.derender.commands import add_derender_options, add_stalled_request_option
 from workers.kafka.settings import KafkaSettings
 from workers.startup import one_line
@@ -177,6 +178,8 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
             for message in records:
                 try:
                     chunk = decode_message(message, GenerateChunk)
+                    if unanswerable_id(chunk):  # (the worker sent it to the DLQ)
+                        raise RecordError(unanswerable_id(chunk))
                 except RecordError as exc:
                     summary["undecodable"] += 1
                     print(f"genpipe replay: skipping undecodable chunk at {message.topic}[{message.partition}]"

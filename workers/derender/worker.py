@@ -24,6 +24,8 @@ import msgspec
 from aiokafka import TopicPartition
 
 from schemas import JSON, MSGPACK, Cancel, ErrorResponse, GenerateChunk, RecordError
+from schemas.validation import ANSWERABLE_ID_CHARS
+from workers.derender.chunk_rules import unanswerable_id
 from workers.derender.delivery import Delivery, Sent
 from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S, StalledRequests
 from workers.derender.state import CancelRequest, Derenderer, Output, Result
@@ -108,6 +110,8 @@ class DerenderHandler(Handler):
         # publish them.
         try:
             chunk = decode_message(message, GenerateChunk)
+            if len(chunk.request_id) > ANSWERABLE_ID_CHARS:
+                raise RecordError(unanswerable_id(chunk))
         except RecordError as exc:
             series(DLQ, W).inc()
             if message.offset >= self.publish_from.get(tp, 0):

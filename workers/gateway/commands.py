@@ -7,7 +7,7 @@ import os
 import re
 import socket
 
-from workers.cli_options import add_log_level, at_least
+from workers.cli_options import add_log_level, at_least, port_number
 from workers.kafka.settings import KafkaSettings
 
 
@@ -78,7 +78,7 @@ def register(sub) -> None:
                     "derender workers.")
     serve.add_argument("--host", default=os.environ.get("GENPIPE_HOST", "127.0.0.1"),
                        help="address to listen on (env GENPIPE_HOST; default %(default)s)")
-    serve.add_argument("--port", type=at_least(1), default=os.environ.get("GENPIPE_PORT", "8000"),
+    serve.add_argument("--port", type=port_number(), default=os.environ.get("GENPIPE_PORT", "8000"),
                        help="port (env GENPIPE_PORT; default %(default)s)")
     serve.add_argument("--tokenizer", default=os.environ.get("GENPIPE_TOKENIZER"),
                        help="Hugging Face tokenizer directory of the served model: renders chat messages "

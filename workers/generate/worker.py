@@ -21,7 +21,7 @@ import msgspec
 from aiokafka import TopicPartition
 
 from schemas import ChunkError, DecodeError, GenerateRequest, ValidationError, peek_address
-from schemas.validation import MAX_REQUEST_ID_LENGTH
+from schemas.validation import ANSWERABLE_ID_CHARS, MAX_REQUEST_ID_LENGTH
 from workers.generate.admission import WaitingQueue
 from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFlight
 from workers.generate.outputs import StepOutputs
@@ -38,13 +38,6 @@ from workers.log_digest import LogDigest
 from workers.metrics import DLQ, ERRORS, IN_FLIGHT, REQUESTS, TTFT, WAITING, series
 
 log = logging.getLogger(__name__)
-
-# A request whose id breaks the rules (1..MAX_REQUEST_ID_LENGTH characters) is answered
-# with an error keyed by that id, up to this length; a longer one goes to the DLQ: the
-# answer carries the id twice (key and value), and at ~0.5M characters no longer fits a
-# record (its offset was held for good; the client keys its reads by the id it sent).
-# (Not more: the derender remembers 100,000 finished ids; at 1,024 characters, ~100 MB.)
-ANSWERABLE_ID_CHARS = 4 * MAX_REQUEST_ID_LENGTH
 
 
 def _unanswerable(request_id: str, exc: ValidationError | None = None) -> str:

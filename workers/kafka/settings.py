@@ -12,7 +12,7 @@ import os
 import ssl
 from dataclasses import dataclass, field, replace
 
-from workers.cli_options import one_of
+from workers.cli_options import bootstrap_servers, one_of
 
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 DEFAULT_TOPIC_PREFIX = "genpipe"
@@ -89,7 +89,7 @@ class KafkaSettings:
         env = KafkaSettings.from_env()
         group = parser.add_argument_group("Kafka connection")
         group.add_argument(
-            "--bootstrap-servers", default=env.bootstrap_servers,
+            "--bootstrap-servers", default=env.bootstrap_servers, type=bootstrap_servers,
             help="Kafka bootstrap servers (env GENPIPE_BOOTSTRAP_SERVERS; default %(default)s)")
         group.add_argument(
             "--topic-prefix", default=env.topic_prefix,
