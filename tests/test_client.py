@@ -522,3 +522,5 @@ async def test_a_request_too_large_for_kafka_is_the_caller_s_error_not_unavailab
             await client.complete(make_request([70_000] * 300_000))  # ~1.5 MB of msgpack
     assert raised.value.code == 413 and raised.value.type == "invalid_request_error"
     assert "too large for Kafka" in raised.value.message
+    # and no cancel: generate remembers cancelled ids, and aborted the same id sent again, corrected
+    assert await read_to_end(kafka_settings, kafka_settings.topic("cancel")) == []

@@ -67,6 +67,8 @@ def test_bad_lines_reported_and_skipped(tmp_path, capsys):
     lines.insert(3, json.dumps({"key": "req-a", "value": {"request_id": "req-a", "attempt": "a1", "seq": "x"}}))
     lines.insert(4, "")
     lines.insert(5, json.dumps({"key": "other", "value": json.loads(lines[0])["value"]}))
+    long_id = "L" * 2000  # (a worker sends it to the DLQ)
+    lines.append(json.dumps({"key": long_id, "value": {**json.loads(lines[0])["value"], "request_id": long_id}}))
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     rc = cli.main(["derender", "--in", str(src), "--out", str(dst), "--tokenizer", str(tokenizer_dir("spm"))])
@@ -75,7 +77,8 @@ def test_bad_lines_reported_and_skipped(tmp_path, capsys):
     assert err[0].startswith(f"genpipe derender: {src}:2: not JSON")
     assert err[1].startswith(f"genpipe derender: {src}:4: seq: expected int")
     assert err[2].startswith(f"genpipe derender: {src}:6: key 'other' is not the chunk's request_id")
-    assert "3 bad lines" in err[-1]
+    assert err[3].startswith(f"genpipe derender: {src}:{len(lines)}: request_id of 2000 characters")
+    assert "4 bad lines" in err[-1]
     recs = read_out(dst.read_text())
     assert "".join(r["value"]["choices"][0]["delta"]["content"] for r in recs if r["key"] == "req-a") \
         == " hello 中文 world"

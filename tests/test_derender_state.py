@@ -338,7 +338,11 @@ def test_seq_0_output_options_that_break_a_request_s_rules_end_it_at_once(d, tab
     assert [c.request_id for c in cancels(out)] == ["opts"]  # generate is told to stop it
     later = make_chunks("opts", ids + [5], [len(ids), 1], attempt="B")[1]
     assert d.process(later) == []  # dropped: a finished request's
-    # generate's own error chunk for such a request reaches its client as generate wrote it
+    # generate's own abort of such a request (cancelled, or past its deadline, before its
+    # options were checked) and its error chunk reach the client as generate wrote them
+    (aborted,) = make_chunks("aborted", [], [0], output=output, finish_reason="abort")
+    (result,) = results(d.process(aborted))
+    assert result.final and not isinstance(result.value, ErrorResponse)
     (rejected,) = make_chunks("rejected", [], [0], output=output, finish_reason="error")
     rejected.error = ChunkError(message="output.top_logprobs must be 0..20, got 30")
     assert only_error(d.process(rejected)).value.error.message == "output.top_logprobs must be 0..20, got 30"

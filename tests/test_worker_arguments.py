@@ -52,8 +52,9 @@ def test_a_mistyped_bootstrap_server_in_the_environment_is_a_usage_error(monkeyp
         parse(["submit", "--token-ids", "1"])
     assert exit_info.value.code == 2
     assert "argument --bootstrap-servers: expected host:port" in capsys.readouterr().err
-    monkeypatch.setenv("GENPIPE_BOOTSTRAP_SERVERS", "kafka-0:9092, [::1]:9093,kafka-2")
-    assert parse(["submit", "--token-ids", "1"]).bootstrap_servers == "kafka-0:9092,[::1]:9093,kafka-2"
+    monkeypatch.setenv("GENPIPE_BOOTSTRAP_SERVERS", "kafka-0:9092, [::1]:9093,kafka-2,2001:db8::beef,::1")
+    assert parse(["submit", "--token-ids", "1"]).bootstrap_servers == \
+        "kafka-0:9092,[::1]:9093,kafka-2,2001:db8::beef,::1"
 
 
 def test_defaults_and_good_values_parse_to_numbers(monkeypatch):

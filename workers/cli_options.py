@@ -59,11 +59,23 @@ def bootstrap_servers(text: str) -> str:
             if rest and not rest.startswith(":"):
                 host = ""
             port = rest[1:] if rest else None
+        elif entry.count(":") > 1:  # a bare IPv6 address: no port (aiokafka's reading too)
+            host = entry if _is_ip(entry) else ""
         elif ":" in entry:
             host, port = entry.rsplit(":", 1)
         if not host or port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
             raise argparse.ArgumentTypeError(f"expected host:port[,host:port...] with ports 1..65535, got {text!r}")
     return ",".join(entries)
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])  # (a zone id after %)
+        return True
+    except ValueError:
+        return False
 
 
 def one_of(*choices: str, fold_case: bool = False):

@@ -259,9 +259,13 @@ class GenpipeClient:
         mailbox = Mailbox(timeout, keepalive_s, self.max_unread,
                           on_overflow=lambda: self.cancel_soon(rid, self._overflow_message(rid, mailbox)))
         self._waiting[rid] = mailbox  # before sending: no result can slip past
-        finished = sent = False
+        finished = sent = unsure = False
         try:
-            await self.submit(request)
+            try:
+                await self.submit(request)
+            except (GenpipeUnavailable, asyncio.CancelledError):
+                unsure = True  # (not acknowledged in time, or not waited for: Kafka may still take it)
+                raise
             sent = True
             mailbox.start()
             filt = AttemptFilter()
@@ -292,8 +296,11 @@ class GenpipeClient:
             if self._waiting.get(rid) is mailbox:
                 del self._waiting[rid]
             # (a reader that fell behind was cancelled when it happened: cancel_soon)
-            if not finished and not mailbox.overflowed and self.cancel_on_abandon and self._producer is not None:
-                if not sent:
+            if (not finished and not mailbox.overflowed and self.cancel_on_abandon and self._producer is not None
+                    and (sent or unsure)):
+                # (one Kafka refused, as too large, needs none: remembered by generate, a
+                # cancel aborted a corrected request sent again with the same id)
+                if unsure:
                     # Kafka did not take the request in time (it may still, once back): the
                     # cancel goes in the background, as the caller already waited the send
                     # timeout once (awaited, a second one doubled what `submit` raised after).

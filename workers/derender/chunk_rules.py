@@ -41,9 +41,11 @@ def output_problem(chunk: GenerateChunk, max_logprobs: int) -> str | None:
     """Why seq 0's output options break the rules a request's do (docs/design.md §8), or
     None. Generate checks them on the request, but a chunk may come from elsewhere: its
     stop strings are searched for in every token's text, and 100,000 of them took ~7 ms
-    a token, a whole long answer's worth in one call, with the worker's loop held. An
-    error chunk is passed on as generate wrote it: its options are often what it reports."""
-    if chunk.output is None or chunk.finish_reason == "error":
+    a token, a whole long answer's worth in one call, with the worker's loop held. A final
+    chunk without tokens is passed on as generate wrote it (nothing is matched in it): an
+    error, often about these very options, or the abort of a request cancelled or past its
+    deadline before its options were checked."""
+    if chunk.output is None or chunk.finish_reason is not None and not chunk.token_ids:
         return None
     try:
         validate_output(chunk.output, max_logprobs=max_logprobs)

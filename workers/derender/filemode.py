@@ -19,6 +19,7 @@ import msgspec
 from schemas.codec import HEADER_CONTENT_TYPE, HEADER_SCHEMA, JSON, decode, schema_header
 from schemas.errors import RecordError
 from schemas.records import Cancel, GenerateChunk
+from workers.derender.chunk_rules import unanswerable_id
 from workers.derender.state import CancelRequest, Derenderer, Result
 from workers.derender.undeliverable import within_record_limit
 from workers.kafka.records import Outgoing
@@ -83,6 +84,8 @@ def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
         summary.lines += 1
         try:
             chunk = parse_line(line)
+            if unanswerable_id(chunk):  # (a worker sends it to the DLQ)
+                raise ValueError(unanswerable_id(chunk))
         except (RecordError, ValueError) as exc:
             summary.bad_lines += 1
             errors.write(f"genpipe derender: {source}:{number}: {_one_line(exc)}\n")

@@ -87,11 +87,11 @@ class Stats:
 
 # The fewest bytes a position's logprobs take in a result's JSON: a completion's `"",` for
 # its token, `0.0,` for its logprob, `{},` for its top entries, `0,` for its text offset;
-# a chat's `{"token":"","logprob":0.0,"bytes":null},` for itself and each top entry. The
-# size a request not streamed has reached is counted low with them, so it never ends one
-# that would fit.
+# a chat's `{"token":"","logprob":0.0,"bytes":[]},` for itself and each top entry (an
+# empty token's bytes are `[]`). The size a request not streamed has reached is counted
+# low with them, so it never ends one that would fit.
 MIN_COMPLETION_POSITION_BYTES = 12
-MIN_CHAT_ENTRY_BYTES = 40
+MIN_CHAT_ENTRY_BYTES = 38
 
 
 @dataclass(slots=True, eq=False)

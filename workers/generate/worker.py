@@ -121,7 +121,8 @@ class GenerateHandler(Handler):
         if len(request.request_id) > ANSWERABLE_ID_CHARS:
             await self._to_dlq(message, release, _unanswerable(request.request_id))
             return
-        if request.request_id in self.inflight or request.request_id in self.waiting:
+        if (request.request_id in self.inflight or request.request_id in self.waiting
+                or self._ending.get(request.request_id) is not None):  # (a copy queued behind its stopped one)
             series(REQUESTS, W, "accepted").inc()
             self._drop_copy(request.request_id, message.offset, release)
             return
