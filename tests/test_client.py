@@ -311,6 +311,15 @@ async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_setti
     # the client gave up, so it cancelled the request for whichever worker picks it up later
     cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1, timeout=30)
     assert decode_message(cancels[0], Cancel).request_id == "lonely"
+    # a client on its own reply topic is told where an answer it cannot see would be: an
+    # error for a reply topic the workers' rule refuses goes to the results topic
+    mine = f"{kafka_settings.topic_prefix}.team-replies"
+    await create_topic(kafka_settings, mine)
+    async with GenpipeClient(settings=kafka_settings, reply_topic=mine, timeout_s=1.0) as client:
+        with pytest.raises(GenpipeTimeout) as info:
+            await client.complete(make_request([1, 5, 6], request_id="elsewhere"))
+    assert "--reply-topic-pattern does not allow" in str(info.value)
+    assert f"{kafka_settings.topic('results')!r}" in str(info.value) and "--request-id elsewhere" in str(info.value)
 
 
 # --- the commands --------------------------------------------------------------------------

@@ -353,6 +353,12 @@ class GenpipeClient:
         where = (f"are a generate and a derender worker running on topic prefix "
                  f"{self.settings.topic_prefix!r} (bootstrap {self.settings.bootstrap_servers})?")
         if received == 0:
+            default = self.settings.topic("results")
+            if self.reply_topic != default:
+                # (where an answer it cannot see goes: the reply topic was not allowed, or refused it)
+                where += (f" If the workers' --reply-topic-pattern does not allow {self.reply_topic!r}, or it "
+                          f"refused the answer, the error is on {default!r}: `genpipe tail --topic results "
+                          f"--from-beginning --request-id {rid} --until-final` shows it")
             return f"no result for request {rid} within {timeout:g} s: {where}"
         return (f"request {rid}: no further result within {timeout:g} s after {received} "
                 f"result record(s): {where}")
