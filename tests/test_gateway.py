@@ -609,6 +609,23 @@ async def test_a_non_streamed_answer_longer_than_the_stream_timeout_is_waited_fo
 
 
 @pytest.mark.kafka
+async def test_a_request_too_large_for_a_record_is_413_before_its_fan_out(kafka_settings, make_topics,
+                                                                          tiny_model_dir):
+    """A prompt of token ids too long for a Kafka record was copied n times first (a 15 MB
+    body at n = 64 held the event loop 13 s, where the model's context length is not
+    known), then refused by the producer: a 503 "genpipe is unavailable" that the SDKs
+    retry. Now one copy is sized, and the request gets 413 naming the prompt."""
+    await make_topics(kafka_settings, partitions=2)
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="big") as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        gateway.max_model_len = None  # (a tokenizer directory that does not say it)
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": [70_000] * 300_000, "n": 64})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["param"] == "prompt" and "as a Kafka record" in r.json()["error"]["message"]
+        assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
 async def test_a_gateway_whose_reply_reader_failed_says_so_on_health(kafka_settings, make_topics, tiny_model_dir):
     """The gateway reads every answer through one consumer. Once that reader fails, every
     request gets 503, but /health still said ok, so a load balancer kept sending traffic
