@@ -208,17 +208,21 @@ async def test_tokens_that_piled_up_leave_in_chunks_of_at_most_max_tokens(
 async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_with_an_error(
         kafka_settings, make_topics, engine, tiny_model_dir):
     # 2,500 bytes: a few tokens with top-20 logprobs (~770 bytes each) fit, twelve do not;
-    # the logprobs of a 200-token prompt (~45 kB) cannot fit at all. Kafka's default limit
-    # is 1 MiB: a real deployment meets this with long prompts and many logprobs.
+    # the logprobs of a 13-token prompt (~2.9 kB) cannot fit at all, found after the
+    # prefill; those of a 200-token prompt (~45 kB) cannot either, known before it (at
+    # least 184 bytes a position). Kafka's default limit is 1 MiB: a real deployment
+    # meets this with long prompts and many logprobs.
     limit = 2500
     await make_topics(kafka_settings, partitions=1)
     many = GenerateRequest(request_id="many-logprobs", prompt_token_ids=[1, 40, 41],
                            sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=20))
-    prompt = GenerateRequest(request_id="prompt-logprobs", prompt_token_ids=[1] + [10 + i for i in range(200)],
+    prompt = GenerateRequest(request_id="prompt-logprobs", prompt_token_ids=[1] + [200 + i for i in range(13)],
                              sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
+    long_prompt = GenerateRequest(request_id="long-prompt-logprobs", prompt_token_ids=[1] + [10 + i for i in range(200)],
+                                  sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
     plain = GenerateRequest(request_id="plain", prompt_token_ids=[1, 40, 41],
                             sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
-    requests = [many, prompt, plain]
+    requests = [many, prompt, long_prompt, plain]
     reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), [many, plain])
     group = f"{kafka_settings.topic_prefix}-gen"
     # every token piles up until the final chunk: the cut to the size limit is certain
@@ -243,11 +247,16 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
     assert error.finish_reason == "error" and error.token_ids == [] and error.prompt_logprobs is None
     assert error.error.message.startswith("chunk too large: the prompt's logprobs encode to ")
     assert "over the record size limit of 2500 bytes" in error.error.message
-    assert error.output == prompt.output and error.prompt_token_count == 201  # seq 0's fields, for derender
+    assert error.output == prompt.output and error.prompt_token_count == 14  # seq 0's fields, for derender
+    (early,) = chunks["long-prompt-logprobs"]
+    assert early.finish_reason == "error" and early.token_ids == [] and early.error.type == "invalid_request_error"
+    assert early.error.message.startswith("sampling.prompt_logprobs: a prompt of 201 tokens with 5 candidates a "
+                                          "position takes at least 36800 bytes in a chunk, over the record size "
+                                          "limit of 2500 bytes")
     assert [t for c in chunks["plain"] for t in c.token_ids] == reference["plain"]
-    # nothing held: the group committed past all three requests
+    # nothing held: the group committed past all four requests
     tp = TopicPartition(kafka_settings.topic("requests"), 0)
-    assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 3
+    assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 4
 
 
 async def test_a_request_whose_single_token_chunk_is_over_the_limit_ends_with_an_error_and_stops(

@@ -162,6 +162,12 @@ class Final:
     stop_token_id: int | None = None
 
 
+# The fewest bytes a prompt position's logprobs take in a chunk (msgpack maps): the prompt
+# token's entry (`GenerateLogProbsContent`), and each of its top entries (`GenerateLogProb`).
+MIN_PROMPT_ENTRY_BYTES = 48
+MIN_TOP_ENTRY_BYTES = 34
+
+
 class ChunkBuilder:
     def __init__(self, topic: str, fits: Callable[[Outgoing], bool], max_record_bytes: int):
         self.topic = topic
@@ -238,6 +244,23 @@ class ChunkBuilder:
         state.seq += 1
         state.token_offset += count
         del state.pending_ids[:count], state.pending_logprobs[:count]
+
+    def prompt_logprobs_problem(self, request: GenerateRequest) -> str | None:
+        """Why a request's prompt logprobs cannot fit its first chunk, known before its
+        prefill, or None. Found after it (`_too_large`), a long prompt's took the whole
+        prefill, and ~25 MB of them for 32,000 tokens at k = 21 were decoded on the
+        worker's event loop (0.1 s, every request's tokens waiting), only to be refused.
+        Counted low (msgpack: the prompt token's entry takes 48 bytes or more, each of at
+        least k - 1 top entries 34), so a request that fits is never refused here."""
+        k = request.sampling.prompt_logprobs
+        if k is None:
+            return None
+        least = (len(request.prompt_token_ids) - 1) * (MIN_PROMPT_ENTRY_BYTES + MIN_TOP_ENTRY_BYTES * max(k - 1, 0))
+        if least <= self.max_record_bytes:
+            return None
+        return (f"sampling.prompt_logprobs: a prompt of {len(request.prompt_token_ids)} tokens with {k} candidates "
+                f"a position takes at least {least} bytes in a chunk, over the record size limit of "
+                f"{self.max_record_bytes} bytes; ask for fewer prompt logprobs, or send a shorter prompt")
 
     def _too_large(self, state: InFlight, size: int) -> tuple[str, Outgoing]:
         """The error chunk that ends a request whose next chunk cannot be published."""

@@ -145,6 +145,10 @@ class GenerateHandler(Handler):
         except ValidationError as exc:
             await self._reject(state, str(exc))
             return
+        problem = self.steps.chunks.prompt_logprobs_problem(request)
+        if problem is not None:
+            await self._reject(state, problem)
+            return
         if request.request_id in self._ending:
             if self._ending[request.request_id] is None:
                 self._ending[request.request_id] = state  # queued once the old copy's final is back
