@@ -392,6 +392,41 @@ async def test_a_request_finished_but_not_acknowledged_at_a_revoke_is_answered_a
     assert answers[0].headers == answers[1].headers  # the same attempt and seq
 
 
+async def test_an_undecodable_chunk_is_not_published_past_in_the_commit_until_its_dlq_copy_is_answered(
+        kafka_settings, make_topics, tiny_model_dir):
+    """The commit's metadata (`published=N`) said "published" past an undecodable chunk
+    whose DLQ copy was still on its way (the loop's hold kept only the offset): the
+    partition's next owner replayed the chunk quietly, below that mark, and sent no copy,
+    so a copy lost at shutdown was lost for good. The copy here is the real producer's,
+    handed to the handler once the test lets it."""
+    from aiokafka.structs import ConsumerRecord
+
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir)
+    gate = asyncio.Event()
+    real_to_dlq = handler.publisher.to_dlq
+
+    async def copy_held(message, error):
+        return asyncio.ensure_future(_when(gate, await real_to_dlq(message, error)))
+    handler.publisher.to_dlq = copy_held
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    try:
+        await handler.on_assigned([tp], {})
+        handler.offsets.tracker(tp).seen(0)
+        await handler.handle(ConsumerRecord(tp.topic, 0, 0, 0, 0, b"k", b"\xc1 not a chunk", None, 0, 0, []))
+        assert handler.commit_metadata(tp) == "published=0" and handler.offsets.tracker(tp).committable() == 0
+        gate.set()
+        await wait_for(lambda: handler.commit_metadata(tp) == "published=1", what="the copy answered")
+        assert handler.offsets.tracker(tp).committable() == 1
+    finally:
+        gate.set()
+        await producer.stop()
+    (copy,) = await read_to_end(kafka_settings, kafka_settings.topic("dlq"))
+    assert copy.value == b"\xc1 not a chunk"
+
+
 async def _when(gate: asyncio.Event, future: asyncio.Future):
     await gate.wait()
     return await future

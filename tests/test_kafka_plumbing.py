@@ -291,6 +291,30 @@ async def test_a_retried_batch_failed_at_shutdown_fails_without_a_traceback():
         await producer.stop()  # (never started: nothing to flush)
 
 
+async def test_a_send_after_shutdown_failed_every_record_raises_instead_of_spinning(kafka_settings, make_topics):
+    """Past its bound, `stop_producer` fails every record the producer holds, and from then
+    on the producer raises KafkaTimeoutError at once, before any await. The publisher's
+    retry of a full queue (`_enqueue`) took that for a full queue and tried again with no
+    await in between: the event loop spun (a warning a try), the producer's close never
+    ran, and the worker never exited. Now the send raises (its work is not committed)."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    from workers.kafka.clients import stop_producer
+
+    await make_topics(kafka_settings, partitions=1)
+    topic = kafka_settings.topic("results")
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    publisher = Publisher(producer, kafka_settings.topic("dlq"))
+    try:
+        await (await publisher.publish(Outgoing(topic, "first", Cancel(request_id="first"))))  # (its metadata known)
+        producer._message_accumulator.fail_all(KafkaTimeoutError("dropped as the producer stopped"))
+        with pytest.raises(KafkaTimeoutError):
+            await asyncio.wait_for(publisher.publish(Outgoing(topic, "late", Cancel(request_id="late"))), 10)
+    finally:
+        await stop_producer(producer, 1.0, "test")
+
+
 async def test_a_followers_offset_lookup_waits_for_a_leader_and_a_clients_does_not(caplog):
     """No broker needed. A lookup of a partition without a leader times out (aiokafka:
     "Failed to get offsets by times in 40000 ms"); a generate worker's cancel follower

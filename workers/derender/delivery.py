@@ -152,11 +152,10 @@ class Delivery:
                 answered.set_result(None)
                 return answered
             futures = [await self.publisher.publish(r) for r in replacements]
-            if ended:  # once every record is answered (a refused cancel must not end the wait early)
-                settled = futures[0] if len(futures) == 1 else asyncio.gather(*futures, return_exceptions=True)
-                for release in ended:
-                    release_when_settled(settled, release)
-            return futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+            settled = futures[0] if len(futures) == 1 else all_answered(futures)
+            for release in ended:  # once every record is answered, and none dropped at shutdown
+                release_when_settled(settled, release)
+            return settled
 
     def in_place_of(self, record: Outgoing, tp: TopicPartition, message: str, ended: list[Release]) -> list[Outgoing]:
         """The records that end `record`'s request with an error on the default results
@@ -182,3 +181,30 @@ class Delivery:
                 ended.append(release)
         result = Result(rid, record.topic, record.value, record.headers, final)
         return [self.to_record(o, tp) for o in answer_on_default_topic(self.derenderer, result, message)]
+
+
+def all_answered(futures: list[asyncio.Future]) -> asyncio.Future:
+    """A future done once every one of `futures` is: cancelled if one was (dropped at
+    shutdown: nothing may be released for it), else failed with the first failure, else
+    None. `asyncio.gather` does neither: with return_exceptions it is not cancelled when
+    one is (a hold was released for an answer dropped at shutdown), and without, it
+    fails at the first failure while the others still wait (the error in place of a
+    refused result was taken as answered before its cancel was)."""
+    answered = asyncio.get_running_loop().create_future()
+    left = [len(futures)]
+
+    def done(_: asyncio.Future) -> None:
+        left[0] -= 1
+        if left[0] or answered.done():
+            return
+        if any(f.cancelled() for f in futures):
+            answered.cancel()
+            return
+        failure = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failure is not None:
+            answered.set_exception(failure)
+        else:
+            answered.set_result(None)
+    for future in futures:
+        future.add_done_callback(done)
+    return answered

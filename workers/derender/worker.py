@@ -114,10 +114,15 @@ class DerenderHandler(Handler):
                 raise RecordError(unanswerable_id(chunk))
         except RecordError as exc:
             series(DLQ, W).inc()
-            if message.offset >= self.publish_from.get(tp, 0):
-                release = self.offsets.hold(message)
-                release_when_settled(await self.publisher.to_dlq(message, str(exc)), release)
             published.seen(message.offset)
+            if message.offset >= self.publish_from.get(tp, 0):
+                # Held in `published` too, till the copy is answered: with the commit metadata
+                # saying "published" past a copy still on its way, the partition's next
+                # owner replayed the chunk quietly, and a copy lost at shutdown was lost.
+                release, offset = self.offsets.hold(message), message.offset
+                published.hold(offset)
+                release_when_settled(await self.publisher.to_dlq(message, str(exc)),
+                                     lambda: (release(), published.release(offset)))
             return
         self._counts[0] += 1
         self._counts[1] += len(chunk.token_ids)

@@ -328,9 +328,16 @@ class Publisher:
             except KafkaTimeoutError:
                 if topic not in self.producer.client.cluster.topics():
                     raise  # no metadata for the topic at all: not a full queue
+                if self.stuck or getattr(getattr(self.producer, "_message_accumulator", None), "_exception", None):
+                    # Shutdown gave up on the broker (`stop_producer` failed every record):
+                    # the producer now raises at once, and the retry spun the event loop
+                    # with no await, so the producer's own close never ran (the worker
+                    # never exited). Its work is not committed: the next owner redoes it.
+                    raise
                 log.warning("%s[%s]: no room in the producer's queue for %.0f s (is the broker reachable?); "
                             "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
                             time.monotonic() - started)
+                await asyncio.sleep(0)  # (a send that raises at once must not hold the loop)
 
     def _track(self, future: asyncio.Future, records: int = 1, logged: bool = False) -> None:
         """Counted in flight until `future` ends; a failure is logged here unless `logged`
