@@ -218,7 +218,8 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
                            sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=20))
     prompt = GenerateRequest(request_id="prompt-logprobs", prompt_token_ids=[1] + [200 + i for i in range(13)],
                              sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
-    long_prompt = GenerateRequest(request_id="long-prompt-logprobs", prompt_token_ids=[1] + [10 + i for i in range(200)],
+    long_prompt = GenerateRequest(request_id="long-prompt-logprobs",
+                                  prompt_token_ids=[1] + [10 + i for i in range(200)],
                                   sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
     plain = GenerateRequest(request_id="plain", prompt_token_ids=[1, 40, 41],
                             sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
@@ -531,7 +532,8 @@ async def test_copies_of_a_running_request_are_dropped_and_counted_in_the_log(ka
     try:
         mistyped = json.dumps({"request_id": "dup", "prompt_token_ids": [1], "sampling": {"temperature": "hot"}})
         refused = msgspec.structs.replace(dup, reply_topic=kafka_settings.topic("requests"))
-        await produce(kafka_settings, [request_record(dup), (b"dup", mistyped.encode(), [("content-type", b"application/json")]),
+        json_header = [("content-type", b"application/json")]
+        await produce(kafka_settings, [request_record(dup), (b"dup", mistyped.encode(), json_header),
                                        request_record(refused)] + [request_record(dup)] * 12)
         records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), until=chunks_finished({"dup"}))
         await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",

@@ -114,8 +114,8 @@ class NewPartitions:
     assigned by hand never read them, and what was written there was never seen (a
     client's requests on new partitions ended in GenpipeTimeout, a generate worker missed
     the cancels there). Found in the consumer's metadata (looked up every 30 s:
-    clients.py `METADATA_MAX_AGE_MS`), looked at once a second; a new partition is read from its beginning, since everything in it is
-    newer than the follower's start."""
+    clients.py `METADATA_MAX_AGE_MS`), looked at once a second; a new partition is read
+    from its beginning, since everything in it is newer than the follower's start."""
 
     LOOK_EVERY_S = 1.0
 
