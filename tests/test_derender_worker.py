@@ -392,6 +392,63 @@ async def test_a_request_finished_but_not_acknowledged_at_a_revoke_is_answered_a
     assert answers[0].headers == answers[1].headers  # the same attempt and seq
 
 
+async def test_a_revoke_while_the_producer_takes_no_results_gives_the_partitions_up_within_its_bound(
+        kafka_settings, make_topics, tiny_model_dir, monkeypatch, caplog):
+    """A revoke hands the results waiting in the worker to the producer before the loop
+    commits. With no room for them (the lanes full: a partition without a leader, 32 MiB
+    waiting) that hand-over had no end, and the group's rebalance, every member's, waited
+    with it. Now the revoke waits REBALANCE_WAIT_S (0.5 s here) and goes on; the commit
+    stays below the result, which goes out later, before the results handled after it.
+    The hand-over is the real producer's, held until the test lets it."""
+    from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+
+    from tests.kafka_helpers import wait_for
+
+    monkeypatch.setattr("workers.derender.worker.REBALANCE_WAIT_S", 0.5)
+    await make_topics(kafka_settings, partitions=1)
+    producer, handler = await _handler_with_producer(kafka_settings, tiny_model_dir)
+    gate = asyncio.Event()
+    real_publish_batch = handler.publisher.publish_batch
+
+    async def no_room_yet(records, **kw):
+        await gate.wait()
+        return await real_publish_batch(records, **kw)
+    handler.publisher.publish_batch = no_room_yet
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    log = [*make_chunks("first", [5], output=OutputOptions(kind="completion")),
+           *make_chunks("second", [6], output=OutputOptions(kind="completion"))]
+
+    async def read(offset: int) -> None:
+        handler.offsets.tracker(tp).seen(offset)  # as the loop does before it hands a record over
+        chunk = log[offset]
+        await handler.handle(ConsumerRecord(tp.topic, 0, offset, 0, 0, chunk.request_id.encode(), encode(chunk),
+                                            None, 0, 0, list(headers_for(chunk))))
+    try:
+        await handler.on_assigned([tp], {})
+        await read(0)
+        await asyncio.wait_for(handler.on_revoked([tp]), 10)  # (without the bound: until the gate opens)
+        assert "results not handed to the producer within 0.5 s of a rebalance" in caplog.text
+        # what the loop commits now: nothing past the result that waits
+        assert handler.offsets.tracker(tp).committable() == 0 and handler.commit_metadata(tp) == "published=0"
+        committed = OffsetAndMetadata(0, handler.commit_metadata(tp))
+        await handler.on_lost([tp])  # the rest of the rebalance, as the loop runs it; the partition comes back
+        handler.offsets.drop(tp)
+        await handler.on_assigned([tp], {tp: committed})
+        await read(0)
+        await read(1)
+        gate.set()
+        await handler.tick()
+        await wait_for(lambda: handler.offsets.tracker(tp).committable() == 2, what="the results acknowledged")
+    finally:
+        gate.set()
+        await producer.stop()
+    results = await read_to_end(kafka_settings, kafka_settings.topic("results"))
+    # the first answer, late, and again from the replay (the client drops the copy by its
+    # attempt and seq), before what was handled after it
+    assert [r.key for r in results] == [b"first", b"first", b"second"]
+    assert results[0].headers == results[1].headers
+
+
 async def test_an_undecodable_chunk_is_not_published_past_in_the_commit_until_its_dlq_copy_is_answered(
         kafka_settings, make_topics, tiny_model_dir):
     """The commit's metadata (`published=N`) said "published" past an undecodable chunk

@@ -32,7 +32,7 @@ from workers.derender.state import CancelRequest, Derenderer, Output, Result
 from workers.derender.undeliverable import answer_on_default_topic, within_record_limit
 from workers.kafka.loop import Handler
 from workers.kafka.offsets import OffsetTracker, PartitionOffsets, Release, release_when_settled
-from workers.kafka.publisher import Publisher
+from workers.kafka.publisher import REBALANCE_WAIT_S, Publisher
 from workers.kafka.records import Outgoing, decode_message
 from workers.kafka.reply_topics import ReplyTopicRule, reply_topic_rule
 from workers.kafka.settings import KafkaSettings
@@ -78,6 +78,7 @@ class DerenderHandler(Handler):
         # chunk offset, request_id if the chunk finished its request); see _publish_pending.
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
+        self._late_publish: asyncio.Future | None = None  # see on_revoked
         # What the producer's answers settle, refusals answered included (delivery.py).
         self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing,
                                  lambda rid: self._answering(rid) if rid in self.request_start else None)
@@ -229,6 +230,10 @@ class DerenderHandler(Handler):
         Cancels go in them too (on their keys' partitions: `_outgoing`); results for a
         reply topic not known yet go one by one. Called every loop turn (tick), before a
         revoke and at shutdown, and when 500 records wait."""
+        late = self._late_publish
+        if late is not None:  # a revoke's, that outlived its wait: what it holds goes first
+            self._late_publish = None
+            await late
         self._count()
         delivery = self.delivery
         if delivery.refused:
@@ -371,7 +376,20 @@ class DerenderHandler(Handler):
                          tp.partition, self.publish_from[tp])
 
     async def on_revoked(self, partitions) -> None:
-        await self._publish_pending()  # finished work goes out before the loop commits
+        # Finished work goes out before the loop commits, but the wait is bounded: with
+        # the lanes full (a partition without a leader, 32 MiB waiting: lanes.py) it had
+        # no end, and the group's rebalance, every member's, waited with it. What is not
+        # handed over by then goes on in the background (the next publish waits for it:
+        # results keep their order); it is not acknowledged, so it is not committed.
+        publishing = asyncio.ensure_future(self._publish_pending())
+        await asyncio.wait((publishing,), timeout=REBALANCE_WAIT_S)
+        if publishing.done():
+            publishing.result()
+        else:
+            self._late_publish = publishing
+            log.warning("results not handed to the producer within %g s of a rebalance (is the broker reachable? "
+                        "does every partition have a leader?): giving the partitions up without them; what is "
+                        "not acknowledged is not committed, their next owner redoes it", REBALANCE_WAIT_S)
         revoked = set(partitions)
         if self.stalls is not None:
             for tp in revoked:
