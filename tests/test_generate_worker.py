@@ -223,7 +223,11 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
                                   sampling=SamplingParams(max_tokens=4, prompt_logprobs=5))
     plain = GenerateRequest(request_id="plain", prompt_token_ids=[1, 40, 41],
                             sampling=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
-    requests = [many, prompt, long_prompt, plain]
+    # its prompt sent back (echo) takes ~2.7 kB: no first chunk can fit, nor can an error
+    # that carries the prompt back
+    echo = GenerateRequest(request_id="echo-long", prompt_token_ids=[1] + [300 + i for i in range(900)],
+                           sampling=SamplingParams(max_tokens=4), output=OutputOptions(kind="completion", echo=True))
+    requests = [many, prompt, long_prompt, plain, echo]
     reference = run_alone(Engine(str(tiny_model_dir), max_batch=16, max_logprobs=20), [many, plain])
     group = f"{kafka_settings.topic_prefix}-gen"
     # every token piles up until the final chunk: the cut to the size limit is certain
@@ -255,9 +259,15 @@ async def test_chunks_over_the_record_size_limit_are_cut_or_end_their_request_wi
                                           "position takes at least 36800 bytes in a chunk, over the record size "
                                           "limit of 2500 bytes")
     assert [t for c in chunks["plain"] for t in c.token_ids] == reference["plain"]
-    # nothing held: the group committed past all four requests
+    (error,) = chunks["echo-long"]
+    assert error.finish_reason == "error" and error.token_ids == [] and error.prompt_token_ids is None
+    assert error.error.message.startswith("chunk too large: the prompt's token ids (sent back for echo or prompt "
+                                          "logprobs) encode to ")
+    assert "; send a shorter prompt (or raise" in error.error.message
+    assert error.output == echo.output and error.prompt_token_count == 901  # seq 0's fields, for derender
+    # nothing held: the group committed past all five requests
     tp = TopicPartition(kafka_settings.topic("requests"), 0)
-    assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 4
+    assert (await committed_offsets(kafka_settings, group, [tp]))[tp].offset == 5
 
 
 async def test_a_request_whose_single_token_chunk_is_over_the_limit_ends_with_an_error_and_stops(

@@ -263,13 +263,24 @@ class ChunkBuilder:
                 f"{self.max_record_bytes} bytes; ask for fewer prompt logprobs, or send a shorter prompt")
 
     def _too_large(self, state: InFlight, size: int) -> tuple[str, Outgoing]:
-        """The error chunk that ends a request whose next chunk cannot be published."""
-        what = "the prompt's logprobs" if state.seq == 0 and state.prompt_logprobs else "one token's logprobs"
+        """The error chunk that ends a request whose next chunk cannot be published. A
+        first chunk too large without any token (its prompt's ids, echoed, near the
+        limit) is too without them: its error goes without them too (the error needs
+        none of the prompt), and says so."""
+        first, fix = state.seq == 0, "ask for fewer logprobs"
+        if first and state.prompt_logprobs:
+            what = "the prompt's logprobs"
+        elif first and not self.fits(self._outgoing(state, self._chunk(state, 0, None))):
+            what, fix = "the prompt's token ids (sent back for echo or prompt logprobs)", "send a shorter prompt"
+        else:
+            what = "one token's logprobs"
         message = (f"chunk too large: {what} encode to {size} bytes, over the record size limit of "
-                   f"{self.max_record_bytes} bytes; ask for fewer logprobs (or raise the "
+                   f"{self.max_record_bytes} bytes; {fix} (or raise the "
                    f"workers' --max-record-bytes together with the broker's message.max.bytes)")
         state.pending_ids, state.pending_logprobs, state.prompt_logprobs = [], [], None
         chunk = self._chunk(state, 0, Final("error", ChunkError(message=message)))
+        if first and not self.fits(self._outgoing(state, chunk)):
+            chunk.prompt_token_ids = None
         self._advance(state, 0)
         return message, self._outgoing(state, chunk)
 
