@@ -84,8 +84,8 @@ def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
         summary.lines += 1
         try:
             chunk = parse_line(line)
-            if unanswerable_id(chunk):  # (a worker sends it to the DLQ)
-                raise ValueError(unanswerable_id(chunk))
+            if problem := unanswerable_id(chunk):  # (a worker sends it to the DLQ)
+                raise ValueError(problem)
         except (RecordError, ValueError) as exc:
             summary.bad_lines += 1
             errors.write(f"genpipe derender: {source}:{number}: {_one_line(exc)}\n")

@@ -178,8 +178,8 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
             for message in records:
                 try:
                     chunk = decode_message(message, GenerateChunk)
-                    if unanswerable_id(chunk):  # (the worker sent it to the DLQ)
-                        raise RecordError(unanswerable_id(chunk))
+                    if problem := unanswerable_id(chunk):  # (the worker sent it to the DLQ)
+                        raise RecordError(problem)
                 except RecordError as exc:
                     summary["undecodable"] += 1
                     print(f"genpipe replay: skipping undecodable chunk at {message.topic}[{message.partition}]"
