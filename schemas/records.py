@@ -18,6 +18,10 @@ SCHEMA_VERSION = 1
 # as msgpack (whose integers stop at 64 bits), with the record's offset held.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+# A logprob on the wire is a number: generate writes NaN and -inf as -9999.0 (§5.4). A
+# NaN or an infinity in a chunk (no worker writes one) became `null` in the JSON
+# results, which OpenAI's clients read as a float.
+FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 OutputKind = Literal["chat", "completion"]
@@ -80,7 +84,7 @@ class GenerateLogProb(msgspec.Struct, gc=False):
     # Positional construction allowed (token_id, logprob, rank): the engine builds ~20 of
     # these per token, and map(GenerateLogProb, ids, values, ranks) halves that cost.
     token_id: Int64
-    logprob: float
+    logprob: FiniteFloat
     rank: Int64 | None = None  # None only when the logprob was NaN
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -247,6 +248,26 @@ def test_a_chunk_s_integers_past_64_bits_are_refused_at_decode(field, value):
     with pytest.raises(ValidationError) as info:
         decode(json.dumps(value).encode(), GenerateChunk, JSON)
     assert field in str(info.value) and "expected int" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["token", "top", "prompt"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_chunk_s_logprobs_that_are_not_numbers_are_refused_at_decode(where, value):
+    """Generate writes NaN and -inf logprobs as -9999.0 (docs/design.md §5.4). One in a
+    chunk no worker wrote was rendered as `null` in the JSON results, where OpenAI's
+    clients read a float. Refused at decode, such a chunk goes to the DLQ."""
+    def chunk(token=-0.5, top=-0.5, prompt=-0.5):
+        return msgspec.msgpack.encode({
+            "request_id": "r", "attempt": "a", "seq": 0, "finish_reason": "length", "token_ids": [5],
+            "logprobs": {"content": [{"token_id": 5, "logprob": token, "rank": 1,
+                                      "top_logprobs": [{"token_id": 5, "logprob": top, "rank": 1}]}]},
+            "prompt_token_ids": [1, 2], "prompt_logprobs": [None, {"token_id": 2, "logprob": prompt, "rank": 1}]})
+    decode(chunk(), GenerateChunk, MSGPACK)  # (with numbers it decodes)
+    with pytest.raises(ValidationError) as info:
+        decode(chunk(**{where: value}), GenerateChunk, MSGPACK)
+    path = {"token": "logprobs.content[0]", "top": "logprobs.content[0].top_logprobs[0]",
+            "prompt": "prompt_logprobs[1]"}[where]
+    assert str(info.value).startswith(f"{path}.logprob: expected float ")
 
 
 @pytest.mark.parametrize("overrides,field,message", [
