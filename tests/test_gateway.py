@@ -105,6 +105,21 @@ def test_null_is_not_given():
                  "chat", "m").options["max_tokens"] == 7
 
 
+def test_max_logprobs_minus_one_is_no_cap_at_the_gateway_too():
+    """`serve --max-logprobs -1` ("no cap", as the workers read it) refused every
+    logprobs, top_logprobs and prompt_logprobs: "must be between 0 and -1"."""
+    chat = parse({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50,
+                  "prompt_logprobs": 40}, "chat", "m", max_logprobs=-1)
+    assert chat.options["top_logprobs"] == 50 and chat.options["prompt_logprobs"] == 40
+    assert parse({"prompt": "x", "logprobs": 30}, "completion", "m", max_logprobs=-1).options["logprobs"] == 30
+    with pytest.raises(BadParameter) as err:
+        parse({"prompt": "x", "logprobs": -1}, "completion", "m", max_logprobs=-1)
+    assert str(err.value) == "logprobs must be between 0 and 9223372036854775807, got -1"
+    with pytest.raises(BadParameter) as err:
+        parse({"prompt": "x", "logprobs": 21}, "completion", "m", max_logprobs=20)
+    assert str(err.value) == "logprobs must be between 0 and 20, got 21"
+
+
 def test_continuous_usage_stats_as_vllm_reads_them():
     both = {"include_usage": True, "continuous_usage_stats": True}
     assert parse({"prompt": "x", "stream": True, "stream_options": both}, "completion", "m").options["continuous_usage"]

@@ -95,9 +95,10 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     opts["include_stop_str_in_output"] = _bool(body, "include_stop_str_in_output", False)
     opts["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
     opts["priority"] = _int(_given(body, "priority", 0), "priority", -(2 ** 31), 2 ** 31 - 1)
+    k_cap = max_logprobs if max_logprobs >= 0 else None  # -1: no cap (as the workers read it)
     if kind == "completion":
         if body.get("logprobs") is not None:
-            opts["logprobs"] = _int(body["logprobs"], "logprobs", 0, max_logprobs)
+            opts["logprobs"] = _int(body["logprobs"], "logprobs", 0, k_cap)
         opts["echo"] = _bool(body, "echo", False)
     else:
         if _bool(body, "echo", False):
@@ -107,9 +108,9 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
             raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
         if _bool(body, "logprobs", False):
             opts["logprobs"] = True
-            opts["top_logprobs"] = _int(top, "top_logprobs", 0, max_logprobs) if top is not None else 0
+            opts["top_logprobs"] = _int(top, "top_logprobs", 0, k_cap) if top is not None else 0
     if body.get("prompt_logprobs") is not None:  # vLLM's extension, both endpoints
-        k = _int(body["prompt_logprobs"], "prompt_logprobs", 0, max_logprobs)
+        k = _int(body["prompt_logprobs"], "prompt_logprobs", 0, k_cap)
         if parsed.stream and k > 0:  # vLLM's rule: streamed chunks have no such field (0 is ignored)
             raise BadParameter("prompt_logprobs", "prompt_logprobs are not available with stream: true")
         if not parsed.stream:
