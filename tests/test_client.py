@@ -382,19 +382,20 @@ async def test_submit_without_workers_exits_nonzero_with_one_line(kafka_settings
 
 
 async def test_submit_says_early_that_no_worker_is_running(kafka_settings, make_topics, capsys):
-    """It waited the whole timeout (120 s by default) without a word."""
+    """It waited the whole timeout (120 s by default) without a word. (The generate
+    workers here would run with a --group-id of their own: the one it looks at.)"""
     await make_topics(kafka_settings, partitions=1)
     rc = await cli("submit", *kafka_args(kafka_settings), "--token-ids", "1,2,3", "--timeout", "13",
-                   "--request-id", "early-word")
+                   "--request-id", "early-word", "--generate-group-id", "team-gen")
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert rc == 1 and out == ""
     prefix = kafka_settings.topic_prefix
     assert lines[0] == (
-        f"genpipe submit: no generate worker (consumer group {prefix}-generate has no members); no derender "
+        f"genpipe submit: no generate worker (consumer group team-gen has no members); no derender "
         f"worker (consumer group {prefix}-derender has no members). Request early-word waits in {prefix}.requests "
-        f"until one runs (genpipe generate-worker / genpipe derender-worker; workers with their own --group-id "
-        f"are not checked)")
+        f"until one runs (genpipe generate-worker / genpipe derender-worker; workers with a --group-id of their "
+        f"own: --generate-group-id / --derender-group-id)")
     assert lines[1].startswith("genpipe submit: still waiting for request early-word (1") and "of 13 s)" in lines[1]
     assert lines[-1].startswith("genpipe submit: no result for request early-word within 13 s")
 

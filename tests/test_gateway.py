@@ -237,7 +237,8 @@ async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0
     workers and a gateway (`gateway_config`: more GatewayConfig fields), all in this process."""
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 
-    group = f"{settings.topic_prefix}-generate"  # /health looks for it
+    groups = gateway_config.get("worker_groups") or {}
+    group = next((g for g, role in groups.items() if role == "generate"), f"{settings.topic_prefix}-generate")
     if loaded_engine is not None:
         gen_stop, gen_task = await start_worker(settings, loaded_engine, group_id=group)
     else:
@@ -245,7 +246,8 @@ async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0
                                                 synthetic_step_s=step_s, max_batch=8, group_id=group)
     der_stop, der_ready = asyncio.Event(), asyncio.Event()
     der_task = asyncio.ensure_future(run_derender_worker(
-        settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=f"{settings.topic_prefix}-derender"),
+        settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=next(
+            (g for g, role in groups.items() if role == "derender"), f"{settings.topic_prefix}-derender")),
         stop=der_stop, on_ready=der_ready.set))
     await asyncio.wait_for(der_ready.wait(), 60)
     try:
@@ -603,6 +605,25 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert "raise --answer-timeout" in r.json()["error"]["message"]
         assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
+async def test_health_looks_at_the_worker_groups_it_is_given(kafka_settings, make_topics, tiny_model_dir):
+    """Workers run with a --group-id of their own: /health looked only at
+    <prefix>-generate and <prefix>-derender, and said 503 for good (a load balancer sent
+    the gateway nothing). `serve --generate-group-id / --derender-group-id` name them."""
+    await make_topics(kafka_settings, partitions=1)
+    groups = {"team-gen": "generate", "team-der": "derender"}
+    async with running_stack(kafka_settings, tiny_model_dir, worker_groups=groups) as (base, _), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        health = await http.get("/health")
+        assert health.status_code == 200, health.text
+        async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="t2") as (other, _):
+            unaware = await http.get(f"{other}/health")  # the defaults: no such groups here
+    prefix = kafka_settings.topic_prefix
+    assert unaware.status_code == 503 and unaware.json()["reason"] == (
+        f"no generate worker (consumer group {prefix}-generate has no members); "
+        f"no derender worker (consumer group {prefix}-derender has no members)")
 
 
 @pytest.mark.kafka

@@ -122,3 +122,21 @@ async def test_wrong_credentials_are_one_clear_line_not_a_hang(deployment, tiny_
     assert [line for line in err.splitlines() if "error:" in line] == [
         f"genpipe derender-worker: error: Kafka at {settings.bootstrap_servers} refused the login of user "
         f"'client' (SCRAM-SHA-512): check --sasl-username / --sasl-password"], err
+
+
+async def test_a_client_that_may_not_describe_the_worker_groups_does_not_call_them_missing(deployment):
+    """Describing a group needs a grant the clients and the gateway do not have by
+    default (README, Security): the broker answers GROUP_AUTHORIZATION_FAILED for the
+    group, which read as "no members". The gateway's /health then said 503 for good (a
+    load balancer sent it nothing) and `genpipe submit` said no worker was running. Now
+    such a group cannot be told: not missing, -1 members."""
+    from workers.kafka.groups import group_members, missing_workers
+
+    client = deployment("client")
+    prefix = client.topic_prefix
+    groups = [f"{prefix}-generate", f"{prefix}-derender"]
+    assert await group_members(client, groups) == dict.fromkeys(groups, -1)
+    assert await missing_workers(client, raise_errors=True) == []
+    # the workers' own users may describe their groups: none runs, and that is said
+    assert await missing_workers(deployment("generate"), {groups[0]: "generate"}, raise_errors=True) == [
+        f"no generate worker (consumer group {groups[0]} has no members)"]

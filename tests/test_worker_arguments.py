@@ -69,7 +69,7 @@ def test_defaults_and_good_values_parse_to_numbers(monkeypatch):
     assert parse(["generate-worker"]).engine_stall_s == 0.0  # (off)
 
 
-def test_replay_and_file_mode_render_with_the_worker_s_tokenizer_and_model_name(monkeypatch, tmp_path):
+def test_replay_file_mode_and_submit_render_with_the_worker_s_tokenizer_and_model_name(monkeypatch, tmp_path):
     """`genpipe replay` and `genpipe derender` ignored GENPIPE_TOKENIZER and
     GENPIPE_MODEL_NAME, which the worker reads: run in a deployment's environment, a
     replay rendered a real model's ids with the tiny tokenizer (every request a bad
@@ -80,6 +80,9 @@ def test_replay_and_file_mode_render_with_the_worker_s_tokenizer_and_model_name(
     for argv in (["replay", "--from", "0", "--out", "y"], ["derender", "--in", "x", "--out", "y"]):
         args = parse(argv)
         assert (args.tokenizer, args.model_name) == (worker.tokenizer, worker.model_name) == (str(tmp_path), "llama-8b")
+    # and `genpipe submit` renders its prompt with it (it took the tiny model's ids to a
+    # real model: an answer to another prompt, with no error)
+    assert parse(["submit", "--prompt", "hi"]).tokenizer == str(tmp_path)
 
 
 def test_event_loop_is_a_choice_checked_on_the_flag_and_the_environment(monkeypatch, capsys):

@@ -108,6 +108,24 @@ def add_max_logprobs(parser: argparse.ArgumentParser) -> None:
                              "workers, replay and file mode.")
 
 
+def add_worker_group_options(parser: argparse.ArgumentParser) -> None:
+    """`--generate-group-id` / `--derender-group-id`: the workers' consumer groups, which
+    the gateway's /health and `genpipe submit` look at to tell whether any worker runs."""
+    import os
+
+    for role in ("generate", "derender"):
+        env = f"GENPIPE_{role.upper()}_GROUP_ID"
+        parser.add_argument(f"--{role}-group-id", default=os.environ.get(env), metavar="GROUP",
+                            help=f"the {role} workers' consumer group, looked at to tell whether one "
+                                 f"runs: their --group-id (env {env}; default <topic-prefix>-{role})")
+
+
+def worker_groups(args: argparse.Namespace, topic_prefix: str) -> dict[str, str]:
+    """Group id -> role, from `add_worker_group_options`' arguments."""
+    return {args.generate_group_id or f"{topic_prefix}-generate": "generate",
+            args.derender_group_id or f"{topic_prefix}-derender": "derender"}
+
+
 def topic_arg(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("topic must not be empty")

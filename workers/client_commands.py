@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
 from workers.startup import one_line as _one_line
-from workers.cli_options import int64, quiet_kafka_logs, resolve_topic, topic_arg
+from workers.cli_options import (add_worker_group_options, int64, quiet_kafka_logs, resolve_topic, topic_arg,
+                                 worker_groups)
 from workers.kafka.settings import KafkaSettings
 
 _SUBMIT_EPILOG = """\
@@ -99,9 +101,9 @@ def _add_submit(subparsers) -> None:
                         help="prompt token ids, sent as they are")
     prompt.add_argument("--kind", choices=("chat", "completion"), default=None,
                         help="result shape (default: chat for --chat/--chat-file, else completion)")
-    prompt.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="model/tokenizer directory used to render the prompt "
-                             "(default: the built-in tiny spm model)")
+    prompt.add_argument("--tokenizer", metavar="DIR", default=os.environ.get("GENPIPE_TOKENIZER"),
+                        help="the workers' model/tokenizer directory, to render the prompt with "
+                             "(env GENPIPE_TOKENIZER; default: the built-in tiny spm model)")
 
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=_max_tokens, default=64, metavar="N",
@@ -154,6 +156,7 @@ def _add_submit(subparsers) -> None:
                    help="print the raw result records, one JSON line each, instead of the text")
     r.add_argument("-v", "--verbose", action="store_true",
                    help="print the request id, finish reason and usage on stderr")
+    add_worker_group_options(p)
     KafkaSettings.add_arguments(p)
     p.set_defaults(func=run_submit)
 
@@ -235,7 +238,8 @@ async def _submit(args: argparse.Namespace, request) -> int:
     items = []
     printed = False
     answered = asyncio.Event()
-    watcher = asyncio.ensure_future(_while_waiting(settings, request.request_id, answered, err, args.timeout))
+    watcher = asyncio.ensure_future(_while_waiting(settings, worker_groups(args, settings.topic_prefix),
+                                                   request.request_id, answered, err, args.timeout))
     try:
         async with GenpipeClient(settings=settings, reply_topic=args.reply_topic, timeout_s=args.timeout) as client:
             async for record in client.records(request):
@@ -291,7 +295,8 @@ async def _submit(args: argparse.Namespace, request) -> int:
     return 0
 
 
-async def _while_waiting(settings, request_id: str, answered: asyncio.Event, err, timeout_s: float) -> None:
+async def _while_waiting(settings, groups: dict[str, str], request_id: str, answered: asyncio.Event, err,
+                         timeout_s: float) -> None:
     """Say early when no worker is there to answer (instead of a silent wait until the
     timeout), then every 10 s how long the wait has been."""
     from workers.kafka.groups import missing_workers
@@ -299,11 +304,12 @@ async def _while_waiting(settings, request_id: str, answered: asyncio.Event, err
     started = time.monotonic()
     if await _set_within(answered, 2.0):
         return
-    missing = await missing_workers(settings)
+    missing = await missing_workers(settings, groups)
     if missing and not answered.is_set():
         print(f"genpipe submit: {'; '.join(missing)}. Request {request_id} waits in "
               f"{settings.topic('requests')} until one runs (genpipe generate-worker / genpipe derender-worker; "
-              f"workers with their own --group-id are not checked)", file=err, flush=True)
+              f"workers with a --group-id of their own: --generate-group-id / --derender-group-id)", file=err,
+              flush=True)
     while not await _set_within(answered, 10.0):
         print(f"genpipe submit: still waiting for request {request_id} "
               f"({time.monotonic() - started:.0f} s of {timeout_s:.0f} s)", file=err, flush=True)

@@ -62,6 +62,9 @@ class GatewayConfig:
     max_unread: int = 1024  # result records a request may have waiting for its HTTP client, at most
     max_body_bytes: int = 16 << 20  # a request body larger than this: 413, not kept
     write_timeout_s: float = 60.0  # a stream's client took no bytes for this long: given up
+    # The workers' consumer groups (id -> role) /health looks at; None: <prefix>-generate
+    # and <prefix>-derender, their default --group-id
+    worker_groups: dict[str, str] | None = None
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -349,7 +352,8 @@ class Gateway:
         if failed is not None:  # every request gets 503 until the gateway is restarted
             return _unavailable(f"this gateway's reader of {self.reply_topic} failed ({failed!r}); restart it")
         try:
-            missing = await asyncio.wait_for(missing_workers(self.settings, raise_errors=True), 10)
+            missing = await asyncio.wait_for(
+                missing_workers(self.settings, self.config.worker_groups, raise_errors=True), 10)
         except Exception as exc:  # Kafka unreachable: nothing can be served
             return _unavailable(f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}")
         if missing:

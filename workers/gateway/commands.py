@@ -7,7 +7,7 @@ import os
 import re
 import socket
 
-from workers.cli_options import add_log_level, at_least, port_number
+from workers.cli_options import add_log_level, add_worker_group_options, at_least, port_number, worker_groups
 from workers.kafka.settings import KafkaSettings
 
 
@@ -56,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer or str(default_model_dir("spm")), model_name=args.model_name,
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
         timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
-        max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout))
+        max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
+        worker_groups=worker_groups(args, settings.topic_prefix)))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -84,7 +85,8 @@ def register(sub) -> None:
                        help="Hugging Face tokenizer directory of the served model: renders chat messages "
                             "and text prompts (env GENPIPE_TOKENIZER; default: the built-in tiny model's)")
     serve.add_argument("--model-name", default=os.environ.get("GENPIPE_MODEL_NAME", DEFAULT_MODEL_NAME),
-                       help="the `model` clients must name (others get 404; default %(default)s)")
+                       help="the `model` clients must name (others get 404; env GENPIPE_MODEL_NAME; default "
+                            "%(default)s)")
     serve.add_argument("--gateway-id", type=_gateway_id, default=os.environ.get("GENPIPE_GATEWAY_ID")
                        or _default_gateway_id(),
                        help="names this gateway's reply topic <prefix>.reply.<gateway-id> (env "
@@ -114,5 +116,6 @@ def register(sub) -> None:
                             "header X-Request-Timeout) raises it (default %(default)s)")
     add_log_level(serve)
     add_max_logprobs(serve)
+    add_worker_group_options(serve)
     KafkaSettings.add_arguments(serve)
     serve.set_defaults(func=_serve)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import GroupAuthorizationFailedError, GroupCoordinatorNotAvailableError, KafkaError
 from aiokafka.protocol import admin as _protocol
 
 from workers.kafka.clients import make_admin
@@ -25,8 +25,8 @@ if getattr(_protocol, "DescribeGroupsResponse_v3", None) is not None and \
 
 
 async def group_members(settings: KafkaSettings, group_ids: list[str], timeout_s: float = 10.0) -> dict[str, int]:
-    """Live members of each group (0 for a group that is empty or does not exist).
-    Raises KafkaError / asyncio.TimeoutError when the broker cannot say."""
+    """Live members of each group (0 for a group that is empty or does not exist, -1 for
+    one this client may not describe). Raises KafkaError / asyncio.TimeoutError when the broker cannot say."""
     return {g: n for g, (_, n) in (await group_states(settings, group_ids, timeout_s)).items()}
 
 
@@ -36,24 +36,48 @@ async def group_states(settings: KafkaSettings, group_ids: list[str],
     ("Dead" / "Empty" with 0 members for a group with none)."""
     admin = make_admin(settings.with_client_id(f"{settings.client_id}-groups"))
     await asyncio.wait_for(admin.start(), timeout_s)
+    states = {group_id: ("Dead", 0) for group_id in group_ids}
+
+    async def describe(group_id: str) -> None:
+        # One group at a time: a group this client may not describe fails its
+        # coordinator's lookup, and with it a call for all of them.
+        while True:
+            try:
+                responses = await admin.describe_consumer_groups([group_id])
+                break
+            except GroupAuthorizationFailedError:
+                states[group_id] = (UNAUTHORIZED, -1)
+                return
+            except GroupCoordinatorNotAvailableError:
+                # A cluster no group has used yet makes its offsets topic first (a second
+                # or so): asked again, within the caller's time
+                await asyncio.sleep(0.2)
+        for response in responses:
+            for group in response.groups:
+                error_code, described, state, _protocol_type, _assignor, members = group[:6]
+                if described == group_id and error_code == 0:
+                    states[group_id] = (state, len(members))
+                elif described == group_id and error_code == GroupAuthorizationFailedError.errno:
+                    states[group_id] = (UNAUTHORIZED, -1)
     try:
-        responses = await asyncio.wait_for(admin.describe_consumer_groups(group_ids), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(describe(g) for g in group_ids)), timeout_s)
     finally:
         await admin.close()
-    states = {group_id: ("Dead", 0) for group_id in group_ids}
-    for response in responses:
-        for group in response.groups:
-            error_code, group_id, state, _protocol_type, _assignor, group_members_ = group[:6]
-            if error_code == 0 and group_id in states:
-                states[group_id] = (state, len(group_members_))
     return states
 
 
-async def missing_workers(settings: KafkaSettings, *, raise_errors: bool = False) -> list[str]:
-    """The default worker groups of this prefix that have no member right now, as phrases
-    for a user ("no generate worker"); [] when both have members or (unless
-    `raise_errors`) the broker cannot say."""
-    groups = {f"{settings.topic_prefix}-generate": "generate", f"{settings.topic_prefix}-derender": "derender"}
+UNAUTHORIZED = "Unauthorized"  # a group this client may not describe (ACLs): members -1, unknown
+
+
+async def missing_workers(settings: KafkaSettings, groups: dict[str, str] | None = None, *,
+                          raise_errors: bool = False) -> list[str]:
+    """The worker groups (group id -> role; default: this prefix's `<prefix>-generate`
+    and `<prefix>-derender`) that have no member right now, as phrases for a user ("no
+    generate worker"); [] when each has members or (unless `raise_errors`) the broker
+    cannot say. A group this client may not describe is not said to be missing: it
+    cannot be told (without the grant, the gateway's /health said 503 for good)."""
+    if groups is None:
+        groups = {f"{settings.topic_prefix}-generate": "generate", f"{settings.topic_prefix}-derender": "derender"}
     try:
         members = await group_members(settings, list(groups))
     except (KafkaError, asyncio.TimeoutError, OSError):
@@ -61,4 +85,4 @@ async def missing_workers(settings: KafkaSettings, *, raise_errors: bool = False
             raise
         return []
     return [f"no {role} worker (consumer group {group} has no members)"
-            for group, role in groups.items() if not members.get(group)]
+            for group, role in groups.items() if members.get(group) == 0]
