@@ -111,9 +111,11 @@ def _topics_cli(settings, *extra: str) -> subprocess.CompletedProcess:
 
 async def test_topics_create_cli_is_idempotent(kafka_settings):
     names = [kafka_settings.topic(role) for role in TOPIC_ROLES]
-    first = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "3")
+    reply = f"{kafka_settings.topic_prefix}.reply.team-a"  # given twice: it failed the whole creation
+    first = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "3", "--topic", reply,
+                                    "--topic", reply)
     assert first.returncode == 0, first.stderr
-    assert [f"created {n} (3 partitions)" for n in names] == first.stdout.splitlines()
+    assert [f"created {n} (3 partitions)" for n in [*names, reply]] == first.stdout.splitlines()
 
     # Asking again (even with another count) changes nothing and says so.
     second = await asyncio.to_thread(_topics_cli, kafka_settings, "--partitions", "5")
@@ -159,6 +161,42 @@ async def test_topics_create_says_when_an_existing_chunks_topic_keeps_the_produc
     assert f"warning: {chunks} exists with message.timestamp.type=CreateTime" in older.stderr
     assert (f"kafka-configs.sh --bootstrap-server {kafka_settings.bootstrap_servers} --alter --entity-type topics "
             f"--entity-name {chunks} --add-config message.timestamp.type=LogAppendTime") in older.stderr
+
+
+def test_broker_commands_answer_bad_input_with_one_line(tmp_path):
+    """A data dir that is a file was a traceback; a port past 65535 was probed modulo
+    65536 (`status --port 84628` looked at someone's 19092); a pid file of garbage was
+    reported removed and stayed, so every later command said so again."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    out = genpipe("broker", "status", "--data-dir", str(a_file), "--port", "39999")
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1
+    out = genpipe("broker", "status", "--port", "84628")
+    assert out.returncode == 2 and "argument --port: must be a port number, at most 65535, got 84628" in out.stderr
+    data_dir = tmp_path / "broker"
+    data_dir.mkdir()
+    (data_dir / "broker.pid").write_text("garbage")
+    out = genpipe("broker", "down", "--data-dir", str(data_dir), "--port", "39999")
+    assert out.returncode == 0 and "removed stale pid file" in out.stdout
+    assert not (data_dir / "broker.pid").exists()
+
+
+def test_a_cluster_whose_last_node_s_port_is_taken_starts_no_node(tmp_path):
+    """`broker up --brokers 3` found node 3's port taken only after nodes 1 and 2 were
+    launched, and left them running (two JVMs nobody had asked for). Every port is
+    checked first now: nothing starts."""
+    import socket
+
+    port = 39400
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port + 4))  # node 3's client port
+    taken.listen()
+    try:
+        out = genpipe("broker", "up", "--brokers", "3", "--port", str(port), "--data-dir", str(tmp_path))
+    finally:
+        taken.close()
+    assert out.returncode == 1 and out.stderr == f"error: 127.0.0.1:{port + 4} (node 3) is in use by something else\n"
+    assert not list(tmp_path.glob("node-*/broker.pid"))
 
 
 def test_topics_create_reports_unreachable_broker():

@@ -58,7 +58,7 @@ def check_tokenizer_dir(path: str | os.PathLike, option: str = "--tokenizer") ->
 
 def check_device(device: str) -> None:
     """A device torch can use here: `cpu`, or `cuda[:N]` with a GPU visible."""
-    if device.strip() == "cpu":
+    if device == "cpu":
         return  # nothing to check, and the worker process need not load torch for it
     import torch
 

@@ -11,11 +11,9 @@ not 9), so failover tests finish in seconds.
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import signal
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,30 +82,42 @@ def cluster_up(brokers: int = 3, port: int = local.DEFAULT_PORT, data_dir: str |
     id) and wait until each answers."""
     if brokers < 1:
         raise local.BrokerError("--brokers must be at least 1")
+    if port + 2 * brokers - 1 > 65535:
+        raise local.BrokerError(f"{brokers} brokers take ports {port}..{port + 2 * brokers - 1}, past 65535: "
+                                "choose a lower --port")
     cluster = cluster_nodes(brokers, port, data_dir)
     libs = local.ensure_jars(quiet=quiet)
     id_file = cluster.nodes[0].data_dir.parent / "cluster.id"
     id_file.parent.mkdir(parents=True, exist_ok=True)
     if not id_file.exists():
-        id_file.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=").lstrip("-") + "\n")
+        id_file.write_text(local._cluster_id() + "\n")  # (an id cut of its leading "-" was refused)
     cluster_id = id_file.read_text().strip()
-    pids = {}
-    for node in cluster.nodes:
-        pids[node.node_id] = node.pid()
-        if pids[node.node_id] is not None:
-            continue
-        for p in (node.port, node.controller_port):
-            if local._port_open(p):
-                raise local.BrokerError(f"{HOST}:{p} (node {node.node_id}) is in use by something else")
-        node.data_dir.mkdir(parents=True, exist_ok=True)
-        base = local.SERVER_PROPERTIES.format(host=HOST, port=node.port, cport=node.controller_port,
-                                              log_dir=node.data_dir / "kraft")
-        (node.data_dir / "server.properties").write_text(node_properties(base, cluster, node))
-        local._format_storage(libs, node.data_dir, cluster_id=cluster_id)
-        # The Popen's pid: read back from /proc this early, the child may not be java yet.
-        pids[node.node_id] = local.launch(libs, node.data_dir).pid
-    for node in cluster.nodes:  # a quorum needs a majority up before any node answers
-        local._wait_ready(node.port, pids[node.node_id], node.data_dir, timeout)
+    pids = {node.node_id: node.pid() for node in cluster.nodes}
+    for node in cluster.nodes:  # every port checked before any node starts
+        if pids[node.node_id] is None:
+            for p in (node.port, node.controller_port):
+                if local._port_open(p):
+                    raise local.BrokerError(f"{HOST}:{p} (node {node.node_id}) is in use by something else")
+    started = []
+    try:
+        for node in cluster.nodes:
+            if pids[node.node_id] is not None:
+                continue
+            node.data_dir.mkdir(parents=True, exist_ok=True)
+            base = local.SERVER_PROPERTIES.format(host=HOST, port=node.port, cport=node.controller_port,
+                                                  log_dir=node.data_dir / "kraft")
+            (node.data_dir / "server.properties").write_text(node_properties(base, cluster, node))
+            local._format_storage(libs, node.data_dir, cluster_id=cluster_id)
+            # The Popen's pid: read back from /proc this early, the child may not be java yet.
+            pids[node.node_id] = local.launch(libs, node.data_dir).pid
+            started.append(node.node_id)
+        for node in cluster.nodes:  # a quorum needs a majority up before any node answers
+            local._wait_ready(node.port, pids[node.node_id], node.data_dir, timeout)
+    except BaseException:
+        # A node that failed stops the ones this call started: they were left running.
+        for node_id in started:
+            node_down(cluster, node_id, grace=10)
+        raise
     return cluster
 
 

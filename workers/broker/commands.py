@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from workers.broker.topics import DEFAULT_PARTITIONS
+from workers.cli_options import at_least, port_number, topic_arg
 from workers.kafka.settings import TOPIC_ROLES, KafkaSettings
 
 
@@ -30,13 +32,13 @@ def register(subparsers) -> None:
     }
     for action, (text, func) in helps.items():
         p = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
-        p.add_argument("--port", type=int, default=9092,
+        p.add_argument("--port", type=port_number(), default=9092,
                        help="client (PLAINTEXT) port on 127.0.0.1 (default %(default)s)")
         p.add_argument("--data-dir", default=None,
                        help="broker directory: config, pid file, log and KRaft data "
                             "(default ${GENPIPE_CACHE_DIR:-~/.cache/genpipe}/broker-PORT, "
                             "or broker-PORT-secure with --secure)")
-        p.add_argument("--brokers", type=int, default=1, metavar="N",
+        p.add_argument("--brokers", type=at_least(1), default=1, metavar="N",
                        help="N > 1: a cluster of N combined broker+controller nodes on PORT, PORT+2, ... "
                             "(controllers on the odd ports), data in ${GENPIPE_CACHE_DIR}/cluster-PORT; "
                             "internal topics and `topics create` get min(3, N) replicas "
@@ -47,12 +49,13 @@ def register(subparsers) -> None:
                             "also uses PORT+2. `up` prints each user's settings and grants the "
                             "deployment's ACLs for --topic-prefix (README, Security)")
         if action == "up":
-            p.add_argument("--controller-port", type=int, default=None,
+            p.add_argument("--controller-port", type=port_number(), default=None,
                            help="KRaft controller port on 127.0.0.1 (default PORT+1)")
-            p.add_argument("--timeout", type=float, default=60,
+            p.add_argument("--timeout", type=at_least(1.0, float), default=60,
                            help="seconds to wait for the broker to answer (default %(default)s)")
-            p.add_argument("--topic-prefix", default="genpipe",
-                           help="with --secure: the deployment whose ACLs to grant (default %(default)s)")
+            p.add_argument("--topic-prefix", default=os.environ.get("GENPIPE_TOPIC_PREFIX", "genpipe"),
+                           help="with --secure: the deployment whose ACLs to grant (env GENPIPE_TOPIC_PREFIX; "
+                                "default %(default)s)")
         p.set_defaults(func=func)
 
     topics = subparsers.add_parser(
@@ -71,7 +74,7 @@ def register(subparsers) -> None:
             "(message.timestamp.type=LogAppendTime), which the derender's stalled-request check "
             "reads; an existing one that does not is named, with the line that changes it "
             "(where the broker describes its configs to this user)."))
-    create.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS,
+    create.add_argument("--partitions", type=at_least(1), default=DEFAULT_PARTITIONS,
                         help="partitions per topic (default %(default)s). A fleet can use at most this "
                              "many generate workers; more partitions cost the brokers memory and make "
                              "rebalances longer (README, \"Running a fleet\")")
@@ -80,14 +83,14 @@ def register(subparsers) -> None:
                              "--topic ones first, then chunks, then the request topics, so no request "
                              "lands on a partition number whose chunks/results do not exist yet. "
                              "Running requests keep their partitions; workers and clients see the new "
-                             "ones at their next metadata refresh (at most 5 minutes). Never shrinks")
-    create.add_argument("--replication-factor", type=int, default=None,
+                             "ones at their next metadata refresh (at most 30 s). Never shrinks")
+    create.add_argument("--replication-factor", type=at_least(1), default=None,
                         help="replicas per partition (default: 3, or the number of brokers when fewer; "
                              "with 3 replicas the topics get min.insync.replicas=2)")
-    create.add_argument("--timeout", type=float, default=30,
+    create.add_argument("--timeout", type=at_least(1.0, float), default=30,
                         help="seconds to wait for the broker to answer and the topics to have leaders "
                              "(default %(default)s)")
-    create.add_argument("--topic", dest="extra_topics", action="append", default=[], metavar="NAME",
+    create.add_argument("--topic", dest="extra_topics", type=topic_arg, action="append", default=[], metavar="NAME",
                         help="also create this topic with the same partitions (repeatable): a tenant's "
                              "reply topic such as genpipe.reply.team-a, or a `genpipe replay --to-topic` target")
     KafkaSettings.add_arguments(create)
@@ -99,15 +102,25 @@ def _fail(message: str) -> int:
     return 1
 
 
+def _failures():
+    """What a broker command reports as one line: its own errors, a data dir it cannot
+    use (a file, no permission: OSError), a secure broker's setup (openssl missing, a
+    damaged users file: SecureBrokerError, ValueError, KeyError). They were tracebacks."""
+    from workers.broker.local import BrokerError
+    from workers.broker.secure import SecureBrokerError
+
+    return BrokerError, SecureBrokerError, OSError, ValueError, KeyError
+
+
 def _broker_up(args: argparse.Namespace) -> int:
-    from workers.broker.local import BrokerError, broker_up
+    from workers.broker.local import broker_up
 
     if args.brokers > 1:
         return _cluster_action(args, "up")
     try:
         info = broker_up(port=args.port, controller_port=args.controller_port,
                          data_dir=args.data_dir, timeout=args.timeout, secure=args.secure)
-    except BrokerError as exc:
+    except _failures() as exc:
         return _fail(str(exc))
     if args.secure:
         return _secure_up(args, info)
@@ -124,12 +137,14 @@ def _broker_up(args: argparse.Namespace) -> int:
 
 
 def _secure_up(args: argparse.Namespace, info) -> int:
-    from workers.broker.secure import MECHANISM, SecureBrokerError, acls_for, grant_now
+    from aiokafka.errors import KafkaError
+
+    from workers.broker.secure import MECHANISM, acls_for, grant_now
 
     files, prefix = info.secure, args.topic_prefix
     try:
         grant_now(files.settings("admin", info.port), acls_for(prefix, clients={"client": "client"}))
-    except (SecureBrokerError, OSError) as exc:
+    except (*_failures(), KafkaError) as exc:
         return _fail(f"granting the ACLs of {prefix!r} failed: {exc}")
     state = "reused" if info.reused else f"pid {info.pid}"
     print(f"secure broker up on {info.bootstrap_servers} ({state}; SASL_SSL, {MECHANISM}, ACLs enforced; "
@@ -147,20 +162,20 @@ def _secure_up(args: argparse.Namespace, info) -> int:
 
 
 def _broker_down(args: argparse.Namespace) -> int:
-    from workers.broker.local import BrokerError, broker_down
+    from workers.broker.local import broker_down
 
     if args.brokers > 1:
         return _cluster_action(args, "down")
     try:
         print(broker_down(port=args.port, data_dir=args.data_dir, secure=args.secure))
-    except BrokerError as exc:
+    except _failures() as exc:
         return _fail(str(exc))
     return 0
 
 
 def _cluster_action(args: argparse.Namespace, action: str) -> int:
     from workers.broker.cluster import cluster_down, cluster_nodes, cluster_up
-    from workers.broker.local import BrokerError, answers
+    from workers.broker.local import answers
 
     if args.secure:
         return _fail("--secure and --brokers are not combined (yet): use one of them")
@@ -176,7 +191,7 @@ def _cluster_action(args: argparse.Namespace, action: str) -> int:
             up = [n.node_id for n in cluster.nodes if answers(n.port)]
             print(f"cluster on {cluster.bootstrap_servers}: nodes answering {up} of {args.brokers}")
             return 0 if up else 1
-    except BrokerError as exc:
+    except _failures() as exc:
         return _fail(str(exc))
     return 0
 
@@ -188,7 +203,10 @@ def _broker_status(args: argparse.Namespace) -> int:
     if args.brokers > 1:
         return _cluster_action(args, "status")
 
-    st = broker_status(port=args.port, data_dir=args.data_dir, secure=args.secure)
+    try:
+        st = broker_status(port=args.port, data_dir=args.data_dir, secure=args.secure)
+    except _failures() as exc:
+        return _fail(str(exc))
     where = f"{HOST}:{st.port}"
     print({
         "running": f"broker running on {where} (pid {st.pid}, data {st.data_dir})",

@@ -223,7 +223,10 @@ def _read_pid(data_dir: Path) -> int | None:
     pid_file = data_dir / "broker.pid"
     try:
         pid = int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return None
+    except ValueError:  # (garbage: removed too, or every later command said it was)
+        pid_file.unlink(missing_ok=True)
         return None
     if _pid_alive(pid) and _is_our_broker(pid, data_dir):
         return pid

@@ -69,7 +69,7 @@ async def create_topics(settings: KafkaSettings, partitions: int = DEFAULT_PARTI
     if partitions < 1 or (replication_factor is not None and replication_factor < 1):
         raise ValueError("partitions and replication_factor must be >= 1")
     names = [settings.topic(role) for role in TOPIC_ROLES]
-    names += [name for name in extra if name not in names]
+    names = list(dict.fromkeys([*names, *extra]))  # (a name given twice failed the whole creation)
     report = TopicsReport()
     deadline = time.monotonic() + timeout
     while True:  # a broker that is still starting answers a moment later
