@@ -318,6 +318,22 @@ def test_abort(make_engine, prompts):
     assert len(run(engine, [])["run"].tokens) == 2
 
 
+def test_a_request_ended_before_its_prefill_did_sends_no_part_of_its_prompt_logprobs(make_engine):
+    """A prompt in 8-position prefill chunks, aborted after two of its five (a cancel, a
+    deadline): its final output carried the 16 prompt logprobs computed so far, and the
+    derender answered the abort as a bad chunk ("17 entries for 40 prompt ids")."""
+    engine = make_engine(max_batch=2, prefill_chunk=8)
+    prompt = list(range(10, 50))
+    engine.add(req("a", prompt, max_tokens=4, prompt_logprobs=1))
+    engine.add(req("whole", prompt, max_tokens=0, prompt_logprobs=1))
+    for _ in range(2):  # (both prefill part of their prompts: 16 of 40 positions)
+        assert not any(o.finish_reason for o in engine.step())
+    engine.abort("a")
+    finals = {o.request_id: o for _ in range(8) for o in engine.step() if o.finish_reason}
+    assert finals["a"].finish_reason == "abort" and finals["a"].prompt_logprobs is None
+    assert len(finals["whole"].prompt_logprobs) == len(prompt)  # (the same, ended with it whole)
+
+
 def test_deadline_aborts(make_engine, prompts):
     engine = make_engine()
     past = int(time.time() * 1000) - 1

@@ -230,7 +230,11 @@ class Engine:
                             num_prompt_tokens=len(seq.prompt), num_output_tokens=len(seq.output),
                             sampled_at_ns=time.time_ns())
         if not seq.sent_first:
-            out.prompt_logprobs = seq.prompt_logprobs
+            # Whole or not at all: ended before its prefill did (a cancel, a deadline), a
+            # request's list covered part of its prompt, and the derender answered its
+            # abort as a bad chunk (an error, "17 entries for 40 prompt ids").
+            done = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == len(seq.prompt)
+            out.prompt_logprobs = seq.prompt_logprobs if done else None
             seq.sent_first = True
         return out
 
