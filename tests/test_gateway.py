@@ -662,6 +662,28 @@ async def test_a_request_too_large_for_a_record_is_413_before_its_fan_out(kafka_
 
 
 @pytest.mark.kafka
+async def test_a_gateway_takes_requests_as_large_as_its_max_record_bytes(kafka_settings, make_topics,
+                                                                         tiny_model_dir):
+    """A deployment that raised its record limit (the broker's, the workers'
+    --max-record-bytes) still got 413 from the gateway past ~1 MB, and its client
+    library's producer refused such records: `serve --max-record-bytes` raises both."""
+    from tests.kafka_helpers import read_to_end, set_topic_config
+
+    await make_topics(kafka_settings, partitions=1)
+    requests_topic = kafka_settings.topic("requests")
+    await set_topic_config(kafka_settings, requests_topic, {"max.message.bytes": "3000000"})
+    prompt = [1500] * 500_000  # ~1.5 MB as a record
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="large", timeout_s=1.0,
+                               answer_timeout_s=1.0, max_record_bytes=3_000_000) as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        gateway.max_model_len = None  # (a tokenizer directory that does not say it)
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 504, r.text  # sent: no worker runs here to answer it
+    (record,) = await read_to_end(kafka_settings, requests_topic)
+    assert len(record.value) > 1_000_000
+
+
+@pytest.mark.kafka
 async def test_a_gateway_whose_reply_reader_failed_says_so_on_health(kafka_settings, make_topics, tiny_model_dir):
     """The gateway reads every answer through one consumer. Once that reader fails, every
     request gets 503, but /health still said ok, so a load balancer kept sending traffic

@@ -75,12 +75,14 @@ class GenpipeClient:
     for 5 s (`mailbox.STALLED_AFTER_S`), is cancelled at once and its
     reader gets `GenpipeOverflow` (a `GenpipeError`, code 500): the HTTP gateway sets it,
     so a client that stops reading its stream cannot make the gateway grow without end.
+    `max_record_bytes`: the largest request record it sends (default ~1 MB, under
+    Kafka's default limit; the workers' --max-record-bytes, raised with the broker's).
     """
 
     def __init__(self, bootstrap_servers: str | None = None, *, settings: KafkaSettings | None = None,
                  reply_topic: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  cancel_on_abandon: bool = True, send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-                 max_unread: int | None = None):
+                 max_unread: int | None = None, max_record_bytes: int | None = None):
         settings = settings if settings is not None else KafkaSettings.from_env()
         if bootstrap_servers:
             settings = dataclasses.replace(settings, bootstrap_servers=bootstrap_servers)
@@ -92,6 +94,7 @@ class GenpipeClient:
         if max_unread is not None and max_unread < 1:
             raise ValueError(f"max_unread must be at least 1 (or None), got {max_unread}")
         self.max_unread = max_unread
+        self.max_record_bytes = max_record_bytes  # the producer's; None: MAX_RECORD_BYTES (~1 MB)
         self._producer = None
         self._consumer = None
         self._dispatcher: asyncio.Task | None = None
@@ -113,10 +116,13 @@ class GenpipeClient:
 
         from workers.kafka.clients import make_producer, start_client
         from workers.kafka.follow import assign_all, make_follower
+        from workers.kafka.publisher import request_size_for
+        from workers.kafka.settings import MAX_RECORD_BYTES
 
         if self._producer is not None:
             return
-        producer = make_producer(self.settings)
+        producer = make_producer(self.settings, max_request_size=request_size_for(
+            self.max_record_bytes or MAX_RECORD_BYTES))
         consumer = None
         try:
             await start_client(producer, self.settings)

@@ -65,6 +65,7 @@ class GatewayConfig:
     # The workers' consumer groups (id -> role) /health looks at; None: <prefix>-generate
     # and <prefix>-derender, their default --group-id
     worker_groups: dict[str, str] | None = None
+    max_record_bytes: int = MAX_RECORD_BYTES  # a request record larger: 413 (the workers' --max-record-bytes)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -86,7 +87,7 @@ class Gateway:
         # another choice failed, a timeout): one cancel record per request, not two.
         self.client = GenpipeClient(settings=settings, reply_topic=self.reply_topic, timeout_s=config.timeout_s,
                                     send_timeout_s=config.send_timeout_s, cancel_on_abandon=False,
-                                    max_unread=config.max_unread)
+                                    max_unread=config.max_unread, max_record_bytes=config.max_record_bytes)
         self.in_flight = 0
         self.stall_watch = StallWatch(config.write_timeout_s)  # streams whose client stopped reading
         self.max_model_len = _max_model_len(config.tokenizer)
@@ -161,14 +162,15 @@ class Gateway:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
         if timeout is not None:
             parsed.options["deadline_s"] = timeout  # a request not started by then ends as "abort"
-        # Kafka takes a record of ~1 MB: a request past that is the client's to shorten (413),
-        # found on one copy of the longest prompt before the fan-out copies it n times (a
-        # 15 MB body of token ids at n = 64 held the event loop 13 s, every stream with it).
+        # Kafka takes a record of ~1 MB (--max-record-bytes): a request past that is the
+        # client's to shorten (413), found on one copy of the longest prompt before the
+        # fan-out copies it n times (a 15 MB body of token ids at n = 64 held the event
+        # loop 13 s, every stream with it).
         longest = max(prompts, key=len)
         size = len(encode(make_request(longest, kind=kind, **parsed.options)))
-        if size > MAX_RECORD_BYTES:
+        if size > self.config.max_record_bytes:
             return error_response(413, f"the request is {size} bytes as a Kafka record, over the "
-                                       f"{MAX_RECORD_BYTES} one may take: send a shorter prompt",
+                                       f"{self.config.max_record_bytes} one may take: send a shorter prompt",
                                   param="messages" if kind == "chat" else "prompt")
         seed = parsed.options.get("seed")
         choices = [make_request(ids, kind=kind,

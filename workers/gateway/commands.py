@@ -8,7 +8,7 @@ import re
 import socket
 
 from workers.cli_options import add_log_level, add_worker_group_options, at_least, port_number, worker_groups
-from workers.kafka.settings import KafkaSettings
+from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 
 
 def _gateway_id(text: str) -> str:
@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
         timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
-        worker_groups=worker_groups(args, settings.topic_prefix)))
+        worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -117,5 +117,10 @@ def register(sub) -> None:
     add_log_level(serve)
     add_max_logprobs(serve)
     add_worker_group_options(serve)
+    serve.add_argument("--max-record-bytes", type=at_least(1024),
+                       default=os.environ.get("GENPIPE_MAX_RECORD_BYTES", str(MAX_RECORD_BYTES)),
+                       help="largest request record to send (env GENPIPE_MAX_RECORD_BYTES; default %(default)s, "
+                            "under Kafka's default 1 MiB): a request larger gets 413. The workers' value, "
+                            "raised only together with the broker's message.max.bytes")
     KafkaSettings.add_arguments(serve)
     serve.set_defaults(func=_serve)
