@@ -3,6 +3,8 @@ the environment, with one usage line (no broker)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from workers.cli import build_parser
@@ -145,3 +147,25 @@ def test_event_loop_factory_takes_uvloop_and_says_when_it_is_missing(monkeypatch
     assert event_loop_factory("auto") is None
     with pytest.raises(SystemExit, match="uvloop is not installed"):
         event_loop_factory("uvloop")
+
+
+def test_the_demo_hands_its_whole_kafka_connection_to_the_commands_it_starts(monkeypatch):
+    """`genpipe demo --security-protocol SASL_SSL --sasl-... --ssl-cafile ...` passed only
+    --bootstrap-servers and --topic-prefix to its workers and gateway: the security
+    options reached the demo's own client, and the workers could not log in. They go in
+    the children's environment, which each command reads as its own flags' defaults."""
+    from workers.demo import Children
+    from workers.kafka.settings import KafkaSettings
+
+    for name in [n for n in os.environ if n.startswith("GENPIPE_")]:
+        monkeypatch.delenv(name)
+    args = parse(["demo", "--bootstrap-servers", "k1:9093", "--topic-prefix", "acme", "--security-protocol",
+                  "SASL_SSL", "--sasl-mechanism", "SCRAM-SHA-512", "--sasl-username", "u", "--sasl-password", "p",
+                  "--ssl-cafile", "/ca.pem"])
+    settings = KafkaSettings.from_args(args, client_id="genpipe-demo")
+    children_env = Children(settings).env
+    for name, value in children_env.items():
+        if name.startswith("GENPIPE_"):
+            monkeypatch.setenv(name, value)
+    worker = KafkaSettings.from_args(parse(["derender-worker"]), client_id="genpipe-demo")
+    assert worker == settings and worker.sasl_plain_password == "p" and worker.ssl_cafile == "/ca.pem"

@@ -51,13 +51,16 @@ def _local_port(bootstrap: str) -> int | None:
 class Children:
     """Worker processes this demo owns; each in its own process group, stopped on exit."""
 
-    def __init__(self):
+    def __init__(self, settings: KafkaSettings):
+        # The demo's Kafka connection, security options included (given as flags, they
+        # reached only the demo's own client), for every command it starts
+        self.env = {**os.environ, **settings.to_env()}
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, args: list[str], log_dir: Path) -> subprocess.Popen:
         log = open(log_dir / f"demo-{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=self.env)
         self.procs.append(proc)
         return proc
 
@@ -185,7 +188,7 @@ def run_demo(args: argparse.Namespace) -> int:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     settings = KafkaSettings.from_args(args, client_id="genpipe-demo")
     started_broker = None
-    children = Children()
+    children = Children(settings)
     log_dir = cache_root()
     log_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -83,6 +83,18 @@ class KafkaSettings:
             ssl_keyfile=env.get("GENPIPE_SSL_KEYFILE") or None,
         )
 
+    _ENV = (("GENPIPE_BOOTSTRAP_SERVERS", "bootstrap_servers"), ("GENPIPE_TOPIC_PREFIX", "topic_prefix"),
+            ("GENPIPE_SECURITY_PROTOCOL", "security_protocol"), ("GENPIPE_SASL_MECHANISM", "sasl_mechanism"),
+            ("GENPIPE_SASL_USERNAME", "sasl_plain_username"), ("GENPIPE_SASL_PASSWORD", "sasl_plain_password"),
+            ("GENPIPE_SSL_CAFILE", "ssl_cafile"), ("GENPIPE_SSL_CERTFILE", "ssl_certfile"),
+            ("GENPIPE_SSL_KEYFILE", "ssl_keyfile"))
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as the GENPIPE_* variables `from_env` reads: how a command hands
+        its connection to the commands it starts (not on their command lines, where every
+        user of the machine could read a password)."""
+        return {name: getattr(self, attr) or "" for name, attr in self._ENV}
+
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """Add the Kafka connection options; defaults come from GENPIPE_* variables."""
