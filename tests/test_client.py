@@ -352,11 +352,12 @@ async def test_submit_prints_the_streamed_text_and_tail_follows(pipeline, tiny_m
     assert err.startswith("genpipe submit: error (invalid_request_error):") and "k may be 0..20" in err
 
     # past its deadline before it starts: aborted, and submit says why (the reason was only
-    # in the genpipe-error header, and submit printed an empty line)
+    # in the genpipe-error header, and submit printed an empty line), with exit status 1
+    # (it was 0, a complete answer's)
     rc = await cli("submit", *kafka_args(settings), "--token-ids", "1,5,6", "--deadline-s", "0.001",
                    "--request-id", "cli-late")
     out, err = capsys.readouterr()
-    assert rc == 0 and out == "\n"
+    assert rc == 1 and out == "\n"
     assert err.startswith("genpipe submit: request cli-late was aborted: ") and "deadline" in err
 
     rc = await cli("tail", *kafka_args(settings), "--request-id", "cli-1", "--from-beginning", "--until-final")

@@ -32,8 +32,9 @@ Logprobs follow OpenAI: for a completion, --logprobs K returns the sampled token
 the top K per position; for a chat, --logprobs turns them on and --top-logprobs K lists
 K candidates per position.
 
-Exit status: 0 on a complete answer, 1 on an error result, a timeout or a Kafka
-failure (one line on stderr), 2 on bad arguments.
+Exit status: 0 on a complete answer, 1 on an error result, an aborted one (its
+deadline passed, a cancel: what it had is printed), a timeout or a Kafka failure (one
+line on stderr), 2 on bad arguments.
 """
 
 _TAIL_EPILOG = """\
@@ -236,7 +237,7 @@ async def _submit(args: argparse.Namespace, request) -> int:
         print(f"genpipe submit: request {request.request_id} ({len(request.prompt_token_ids)} prompt tokens)",
               file=err)
     items = []
-    printed = False
+    printed, code = False, 0
     answered = asyncio.Event()
     watcher = asyncio.ensure_future(_while_waiting(settings, worker_groups(args, settings.topic_prefix),
                                                    request.request_id, answered, err, args.timeout))
@@ -272,6 +273,7 @@ async def _submit(args: argparse.Namespace, request) -> int:
                 why = last.header(HEADER_ERROR)
                 print(f"genpipe submit: request {request.request_id} was aborted"
                       + (f": {_one_line(Exception(why))}" if why else ""), file=err)
+                code = 1  # not a complete answer (a script took it for one)
     except GenpipeError as exc:
         if printed and not args.json:
             out.write("\n")
@@ -292,7 +294,7 @@ async def _submit(args: argparse.Namespace, request) -> int:
         used = (f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"
                 if usage is not None else "usage not requested (--include-usage)")
         print(f"genpipe submit: finish_reason={choice.finish_reason if choice else None}; {used}", file=err)
-    return 0
+    return code
 
 
 async def _while_waiting(settings, groups: dict[str, str], request_id: str, answered: asyncio.Event, err,

@@ -257,7 +257,8 @@ def register(sub) -> None:
     gen.add_argument("--max-chunk-rate", type=at_least(0.0, float),
                      default=os.environ.get("GENPIPE_MAX_CHUNK_RATE", "10000"),
                      help="chunk records per second this worker aims to stay under (env "
-                          "GENPIPE_MAX_CHUNK_RATE; default %(default)s; 0 = one chunk per step always). "
+                          "GENPIPE_MAX_CHUNK_RATE; default %(default)s; 0 = no rate aim: one chunk per step while the "
+                          "producer keeps up). "
                           "Each request then publishes at most every running/rate seconds after its previous "
                           "chunk, and no token waits longer than --coalesce-max-delay-ms: a small batch still publishes every step, a large "
                           "one coalesces tokens, which every record downstream (derender, results) pays "
