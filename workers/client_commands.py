@@ -349,7 +349,7 @@ def _add_tail(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--topic", type=topic_arg, default=None, metavar="TOPIC",
-                   help="a role (requests, chunks, results, cancel, dlq) or a full topic name "
+                   help="a role (requests, requests.bulk, chunks, results, cancel, dlq) or a full topic name "
                         "(default: results)")
     p.add_argument("--request-id", default=None, metavar="ID",
                    help="only records with this key: the request_id (`submit --request-id` sets it, `submit --verbose` prints it)")

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 HOST = "127.0.0.1"
 DEFAULT_PORT = 9092
 POM = Path(__file__).resolve().parents[2] / "ops" / "kafka" / "pom.xml"
-# Heap as NOTES.md measured: plenty for tests and the demo. SerialGC and C1-only JIT
+# A small heap: plenty for tests and the demo. SerialGC and C1-only JIT
 # cut the broker's start-up (measured ~5-6 s -> ~4 s to answering on 2 cores) and its
 # footprint; GENPIPE_BROKER_JAVA_OPTS replaces these for throughput runs.
 DEFAULT_JAVA_OPTS = "-Xms256m -Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1"

@@ -1,7 +1,7 @@
 """`genpipe derender --in CHUNKS --out RESULTS`: the derender without Kafka.
 
 Input: JSON lines `{"key": "<request_id>", "value": <GenerateChunk as JSON>}` (what
-`genpipe tail --json` or kcat prints for the chunk topic). Output: JSON lines
+`genpipe tail --topic chunks` or kcat prints for the chunk topic). Output: JSON lines
 `{"key": ..., "headers": {...}, "value": <result>}` in the order a derender worker would
 publish them, with the headers it would set (content-type, genpipe-schema and the
 genpipe-* result headers). Bad lines are reported on stderr with their line number and

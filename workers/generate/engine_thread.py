@@ -1,6 +1,6 @@
 """The engine's own thread: model steps never run on the asyncio event loop.
 
-Kafka heartbeats, fetches and acks are tasks on the loop (NOTES.md); a model step that
+Kafka heartbeats, fetches and acks are tasks on the loop (aiokafka); a model step that
 blocked it would get the worker evicted from its group. The thread steps the engine
 while it has work and hands each step's outputs and duration to `deliver` (the worker
 posts them to its loop; the engine process sends them down its pipe).

@@ -1,6 +1,6 @@
 """Producer, consumer and admin construction from one KafkaSettings.
 
-The defaults are the ones token streaming needs (see NOTES.md): idempotent producer
+The defaults are the ones token streaming needs (docs/design.md §6): idempotent producer
 with acks=all and no linger (a token waits for nothing; the generate worker batches a
 whole step's chunks itself, and records queue up anyway while a request is in flight);
 consumers without auto-commit (workers commit only what is safe, docs/design.md §4/§5.5).

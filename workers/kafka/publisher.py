@@ -146,7 +146,7 @@ class Publisher:
                             own_topics: Collection[str] | None = None) -> list[asyncio.Future]:
         """Publish many records with one producer batch per partition; a future per record.
 
-        Many single send() calls cost ~3.5x more than batches (NOTES.md); the generate
+        Many single send() calls cost ~3.5x more than batches (BENCHMARKS.md); the generate
         worker publishes every step's chunks this way, the derender its results, a
         client's reply topic's too. Order within a partition is the order of `records`.
         A record's partition past its topic's count (a reply topic with fewer partitions)
