@@ -140,3 +140,15 @@ async def test_a_client_that_may_not_describe_the_worker_groups_does_not_call_th
     # the workers' own users may describe their groups: none runs, and that is said
     assert await missing_workers(deployment("generate"), {groups[0]: "generate"}, raise_errors=True) == [
         f"no generate worker (consumer group {groups[0]} has no members)"]
+
+
+def test_the_broker_s_certificates_pass_strict_verification(secure_broker):
+    """Python 3.13's default TLS context verifies strictly (VERIFY_X509_STRICT): the
+    local CA had no keyUsage, every handshake failed, and `broker up --secure` waited 60 s
+    for a broker that "did not answer". openssl's strict check is the same one."""
+    import subprocess
+
+    files = secure_broker.secure
+    out = subprocess.run(["openssl", "verify", "-x509_strict", "-CAfile", str(files.cafile),
+                          str(files.directory / "broker.crt")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
