@@ -152,3 +152,10 @@ def test_the_broker_s_certificates_pass_strict_verification(secure_broker):
     out = subprocess.run(["openssl", "verify", "-x509_strict", "-CAfile", str(files.cafile),
                           str(files.directory / "broker.crt")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_secure_broker_s_config_is_readable_by_its_user_alone(secure_broker):
+    """Its server.properties holds the admin user's and the keystore's passwords, and was
+    written readable by every user of the machine (0644), beside a users.json kept 0600."""
+    mode = (secure_broker.data_dir / "server.properties").stat().st_mode & 0o777
+    assert mode == 0o600, oct(mode)

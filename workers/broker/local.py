@@ -333,7 +333,12 @@ def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
     properties = SERVER_PROPERTIES.format(host=HOST, port=port, cport=controller_port, log_dir=data_dir / "kraft")
     if secure:
         properties = sec.server_properties(properties, files, port, port + 2)
-    (data_dir / "server.properties").write_text(properties)
+    # A secure broker's holds the admin's and the keystore's passwords: its user's alone
+    mode = 0o600 if secure else 0o644
+    fd = os.open(data_dir / "server.properties", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(fd, mode)
+    with os.fdopen(fd, "w") as config:
+        config.write(properties)
     _format_storage(libs, data_dir, sec.format_arguments(files) if secure else [])
 
     proc = launch(libs, data_dir)
