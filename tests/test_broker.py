@@ -89,6 +89,38 @@ def test_broker_up_reuse_status_down(tmp_path):
     assert out.returncode == 0 and "no genpipe broker recorded" in out.stdout
 
 
+@pytest.mark.skipif(not (shutil.which("java") and shutil.which("mvn")),
+                    reason="the local broker needs java and mvn")
+def test_two_broker_ups_at_once_start_one_broker_that_down_stops(tmp_path):
+    """Two `broker up` on one data dir at once (two test sessions sharing the cache)
+    both formatted and launched: the second broker died, its pid file replaced the
+    first's, it still said "broker up", and `broker down` found nothing to stop while the
+    first broker ran on. One waits for the other now, and reuses its broker."""
+    import concurrent.futures
+
+    from workers.broker import local
+
+    data_dir = tmp_path / "broker"
+    cli_opts = ("--port", str(LIFECYCLE_PORT), "--data-dir", str(data_dir))
+    if local.answers(LIFECYCLE_PORT):
+        pytest.skip(f"something already answers on port {LIFECYCLE_PORT}")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: genpipe("broker", "up", *cli_opts), range(2)))
+    pid = None
+    try:
+        assert [o.returncode for o in outs] == [0, 0], [o.stderr for o in outs]
+        pid = int((data_dir / "broker.pid").read_text())
+        said = sorted(o.stdout.split(" (pid ")[0] for o in outs)
+        assert said == [f"broker already answering on 127.0.0.1:{LIFECYCLE_PORT} — reusing it",
+                        f"broker up on 127.0.0.1:{LIFECYCLE_PORT}"], said
+        assert all(f"(pid {pid}" in o.stdout for o in outs)
+    finally:
+        down = genpipe("broker", "down", *cli_opts)
+    assert down.returncode == 0 and f"(pid {pid}) stopped" in down.stdout, down.stdout
+    wait_until(lambda: not pid_exists(pid), 10, f"pid {pid} to disappear")
+    assert not local.answers(LIFECYCLE_PORT)
+
+
 async def _partition_counts(settings) -> dict[str, int]:
     from aiokafka.admin import AIOKafkaAdminClient
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import re
@@ -297,14 +298,33 @@ def _format_storage(libs: Path, data_dir: Path, extra: list[str] = (), cluster_i
                           + _tail(proc.stdout + proc.stderr, 15))
 
 
+@contextlib.contextmanager
+def _one_at_a_time(data_dir: Path):
+    """Holds the data dir's lock: one `up` or `down` at a time on it. Two `up`s at once
+    (two test sessions sharing the cache) both formatted and launched; the second broker
+    died, its pid file replaced the first's, and `down` then found no broker to stop."""
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "broker.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
               data_dir: str | Path | None = None, timeout: float = 60,
               quiet: bool = False, secure: bool = False) -> BrokerInfo:
     """Start a broker on 127.0.0.1:port, or reuse whatever Kafka already answers there.
     `secure`: SASL_SSL with SCRAM users and ACLs (workers/broker/secure.py); it also
     takes PORT+2 for the broker's own SASL_PLAINTEXT listener."""
-    controller_port = controller_port or port + 1
     data_dir = default_data_dir(port, data_dir, secure)
+    with _one_at_a_time(data_dir):
+        return _broker_up(port, controller_port, data_dir, timeout, quiet, secure)
+
+
+def _broker_up(port: int, controller_port: int | None, data_dir: Path, timeout: float, quiet: bool,
+               secure: bool) -> BrokerInfo:
+    controller_port = controller_port or port + 1
     log_file = data_dir / "broker.log"
     bootstrap = f"{HOST}:{port}"
     files = probe = None
@@ -406,6 +426,13 @@ def broker_down(port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
                 grace: float = 30, secure: bool = False) -> str:
     """Stop the broker recorded in the data dir's pid file; return a message."""
     data_dir = default_data_dir(port, data_dir, secure)
+    if not data_dir.is_dir():
+        return _broker_down(port, data_dir, grace)
+    with _one_at_a_time(data_dir):
+        return _broker_down(port, data_dir, grace)
+
+
+def _broker_down(port: int, data_dir: Path, grace: float) -> str:
     pid_file = data_dir / "broker.pid"
     if not pid_file.exists():
         note = (" (a Kafka broker does answer there, but genpipe did not start it)"
