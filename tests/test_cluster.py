@@ -41,7 +41,10 @@ def cluster(tmp_path_factory):
     try:
         yield cluster
     finally:
-        cluster_down(3, PORT, data_dir)
+        # (--brokers 1 for a cluster of three: down stops every node its data dir has; it
+        # stopped node 1 alone and left two JVMs running)
+        cluster_down(1, PORT, data_dir)
+    assert [node.node_id for node in cluster.nodes if node.pid() is not None] == []
 
 
 def test_the_throughput_bench_counts_every_broker_of_a_local_cluster(cluster):

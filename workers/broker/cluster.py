@@ -143,7 +143,11 @@ def node_down(cluster: Cluster, node_id: int, grace: float = 30, kill: bool = Fa
 
 
 def cluster_down(brokers: int = 3, port: int = local.DEFAULT_PORT, data_dir: str | Path | None = None) -> str:
-    cluster = cluster_nodes(brokers, port, data_dir)
+    """Stop every node of the cluster: those its data dir has, too, past `brokers` (with
+    a smaller --brokers than `up` had, the last nodes were left running)."""
+    root = cluster_nodes(1, port, data_dir).nodes[0].data_dir.parent
+    made = [int(d.name.split("-", 1)[1]) for d in root.glob("node-*") if d.name.split("-", 1)[1].isdigit()]
+    cluster = cluster_nodes(max([brokers, *made]), port, data_dir)
     stopped = []
     for node in cluster.nodes:
         if node.pid() is not None:
