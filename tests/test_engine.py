@@ -334,6 +334,32 @@ def test_a_request_ended_before_its_prefill_did_sends_no_part_of_its_prompt_logp
     assert len(finals["whole"].prompt_logprobs) == len(prompt)  # (the same, ended with it whole)
 
 
+def test_an_attempt_that_ends_while_its_id_is_aborted_and_added_again_forgets_only_itself(make_engine):
+    """While a step runs, the request it ends on its own (max_tokens 1) is aborted and
+    added again (the worker thread's calls). Its end forgot the id of the new attempt:
+    that attempt's abort was ignored, and a third copy of the id was accepted (two finals
+    for one id)."""
+    engine = make_engine(max_batch=4)
+
+    def attempt(n: int) -> GenerateRequest:
+        return req("r", [5, 6, 7], max_tokens=n, ignore_eos=True)
+    engine.add(attempt(1))
+    execute = engine.runner.execute
+
+    def abort_and_add_during_the_step(plan):
+        engine.abort("r")
+        engine.add(attempt(40))
+        return execute(plan)
+    engine.runner.execute = abort_and_add_during_the_step
+    assert [(o.request_id, o.finish_reason) for o in engine.step() if o.finish_reason] == [("r", "length")]
+    engine.runner.execute = execute
+    with pytest.raises(ValidationError, match="already running"):
+        engine.add(attempt(40))  # the second attempt runs: a copy of its id is refused
+    engine.abort("r")
+    finals = [(o.finish_reason, o.num_output_tokens) for o in run(engine, [])["r"].outputs if o.finish_reason]
+    assert finals == [("abort", 0)] and not engine.has_work()
+
+
 def test_deadline_aborts(make_engine, prompts):
     engine = make_engine()
     past = int(time.time() * 1000) - 1

@@ -38,6 +38,28 @@ def tokens(outs) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
+def test_an_attempt_that_ends_while_its_id_is_aborted_and_added_again_forgets_only_itself():
+    """As the model's engine (tests/test_engine.py): the end of the first attempt, in the
+    step during which the worker aborted it and added the id again, forgot the second
+    attempt's id (its abort ignored, a third copy accepted and one of them never ended)."""
+    engine = SyntheticEngine(step_s=0.0, max_batch=4)
+    engine.add(req("r", max_tokens=1))
+    expire = engine._expire
+
+    def abort_and_add_during_the_step(outputs):  # (the step's last part, before its tokens)
+        expire(outputs)
+        engine.abort("r")
+        engine.add(req("r", max_tokens=50))
+    engine._expire = abort_and_add_during_the_step
+    assert [o.finish_reason for o in engine.step() if o.finish_reason] == ["length"]
+    engine._expire = expire
+    with pytest.raises(ValidationError, match="already running"):
+        engine.add(req("r", max_tokens=50))
+    engine.abort("r")
+    assert [o.finish_reason for o in run(engine, [])["r"] if o.finish_reason] == ["abort"]
+    assert not engine.has_work()
+
+
 def test_tokens_are_deterministic_ordinary_ids_and_requests_end_at_max_tokens():
     engine = SyntheticEngine(step_s=0.0, max_batch=3, vocab_size=2000)
     outs = run(engine, [req(f"r{i}", max_tokens=5 + i) for i in range(7)])

@@ -223,7 +223,7 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         self._deadlines.discard(seq)
         if forget:
-            self._inbox.finished(seq.request_id)
+            self._inbox.finished(seq.request)
 
     def _final_output(self, seq: Sequence, reason: str) -> RequestOutput:
         out = RequestOutput(request_id=seq.request_id, token_ids=[], finish_reason=reason,

@@ -18,7 +18,9 @@ class Inbox:
     def __init__(self):
         self._lock = threading.Lock()
         self._items: list[tuple] = []  # ("add", request) | ("abort", request_id, reason)
-        self._known: set[str] = set()  # accepted and not yet finished
+        # accepted and not yet finished, by id: the request, so that the end of an attempt
+        # aborted and added again while it stepped forgets only itself (`finished`)
+        self._known: dict[str, GenerateRequest] = {}
 
     def add(self, request: GenerateRequest, *, validated: bool = False, **limits) -> None:
         """Validate against `limits` (validate_request's), unless the caller did (`validated`:
@@ -29,13 +31,12 @@ class Inbox:
         with self._lock:
             if request.request_id in self._known:
                 raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
-            self._known.add(request.request_id)
+            self._known[request.request_id] = request
             self._items.append(("add", request))
 
     def abort(self, request_id: str, reason: str) -> None:
         with self._lock:
-            if request_id in self._known:
-                self._known.discard(request_id)  # the id may be added again right away
+            if self._known.pop(request_id, None) is not None:  # the id may be added again right away
                 self._items.append(("abort", request_id, reason))
 
     def take(self) -> list[tuple]:
@@ -44,10 +45,13 @@ class Inbox:
             items, self._items = self._items, []
         return items
 
-    def finished(self, request_id: str) -> None:
-        """The request ended on its own: its id may be used again."""
+    def finished(self, request: GenerateRequest) -> None:
+        """The request ended on its own: its id may be used again. An attempt aborted and
+        added again while this one stepped is not forgotten: its id was (its abort was then
+        ignored, and a third copy accepted: two finals for one id)."""
         with self._lock:
-            self._known.discard(request_id)
+            if self._known.get(request.request_id) is request:
+                del self._known[request.request_id]
 
     def __bool__(self) -> bool:
         return bool(self._items)

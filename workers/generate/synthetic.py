@@ -139,7 +139,7 @@ class SyntheticEngine:
                                     num_prompt_tokens=len(state.request.prompt_token_ids), sampled_at_ns=now_ns)
                 out.prompt_logprobs = self._prompt_logprobs(state.request)
                 outputs.output(out)
-                self._finish(rid)
+                self._finish(state.request)
                 continue
             if self.tokens == "prompt":
                 prompt = state.request.prompt_token_ids
@@ -168,7 +168,7 @@ class SyntheticEngine:
             if k is not None:
                 asking.append((where, token, self.vocab_size if k == -1 else max(k, 1)))
             if finish is not None:
-                self._finish(rid)
+                self._finish(state.request)
         if asking:
             wheres, tokens, ks = zip(*asking)
             for where, entry in zip(wheres, synthetic_entries(list(tokens), list(ks), self.vocab_size)):
@@ -208,9 +208,10 @@ class SyntheticEngine:
         now_ms = time.time() * 1000
         for rid in [rid for rid, deadline in self._deadlines.items() if deadline <= now_ms]:
             state = self._running.pop(rid, None) or self._take_waiting(rid)
+            self._deadlines.pop(rid, None)
             if state is not None:
                 outputs.output(self._final(state, "abort"))
-            self._finish(rid)
+                self._finish(state.request)
 
     def _take_waiting(self, rid: str) -> _Running | None:
         for state in self._waiting:
@@ -224,7 +225,9 @@ class SyntheticEngine:
                              num_prompt_tokens=len(state.request.prompt_token_ids),
                              num_output_tokens=state.produced, sampled_at_ns=time.time_ns())
 
-    def _finish(self, rid: str) -> None:
-        self._running.pop(rid, None)
+    def _finish(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        if (state := self._running.get(rid)) is not None and state.request is request:
+            del self._running[rid]
         self._deadlines.pop(rid, None)
-        self._inbox.finished(rid)
+        self._inbox.finished(request)
