@@ -169,3 +169,37 @@ def test_the_demo_hands_its_whole_kafka_connection_to_the_commands_it_starts(mon
             monkeypatch.setenv(name, value)
     worker = KafkaSettings.from_args(parse(["derender-worker"]), client_id="genpipe-demo")
     assert worker == settings and worker.sasl_plain_password == "p" and worker.ssl_cafile == "/ca.pem"
+
+
+def test_submit_chat_takes_only_a_chat_role_in_front():
+    """`--chat "Q: what is 2+2?"` was sent as a message of role "Q", with no error."""
+    args = parse(["submit", "--chat", "Q: what is 2+2?", "--chat", "System: be terse", "--chat", "assistant:hi"])
+    assert args.chat == [{"role": "user", "content": "Q: what is 2+2?"}, {"role": "system", "content": "be terse"},
+                         {"role": "assistant", "content": "hi"}]
+
+
+def test_a_metrics_port_in_use_is_one_line_not_a_traceback():
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    try:
+        out = subprocess.run([sys.executable, "-m", "workers.cli", "derender-worker", "--bootstrap-servers",
+                              "127.0.0.1:1", "--metrics-port", str(taken.getsockname()[1])],
+                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    finally:
+        taken.close()
+    assert out.returncode == 2 and out.stderr.startswith("genpipe derender-worker: error: --metrics-port "), out.stderr
+    assert "cannot serve metrics there" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_connection_settings_never_show_the_password():
+    """A traceback's locals or a log line's %r of the settings showed the SASL password."""
+    from workers.kafka.settings import KafkaSettings
+
+    settings = KafkaSettings(sasl_plain_username="u", sasl_plain_password="s3cret")
+    assert "s3cret" not in repr(settings) and "sasl_plain_username='u'" in repr(settings)

@@ -13,6 +13,7 @@ from workers.derender.commands import add_model_options, add_stalled_request_opt
 from workers.generate.stall import ENGINE_STALL_S
 from workers.kafka.reply_topics import DEFAULT_PATTERN, ReplyTopicPatternError, reply_topic_rule
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
+from workers.logs import setup_logging
 
 
 def _pattern(text: str) -> str:
@@ -24,9 +25,6 @@ def _pattern(text: str) -> str:
     return text
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +85,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         check_model_dir(args.model)
     check_device(args.device)
     check_gc_setting()
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     if args.threads and args.engine_in == "thread":  # a child engine process sets its own
         import torch
 
@@ -117,7 +115,7 @@ def _run_derender(args: argparse.Namespace) -> int:
     if args.tokenizer:
         check_tokenizer_dir(args.tokenizer)
     check_gc_setting()
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     settings = KafkaSettings.from_args(args, client_id="genpipe-derender")
     config = DerenderWorkerConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, max_logprobs=args.max_logprobs,
@@ -156,8 +154,13 @@ def _ready(name: str):
 def _serve_with_metrics(args: argparse.Namespace, coroutine) -> int:
     if args.metrics_port:
         from workers.metrics import start_metrics_server
+        from workers.startup import UsageError
 
-        start_metrics_server(args.metrics_port)
+        try:
+            start_metrics_server(args.metrics_port)
+        except OSError as exc:  # (the port taken: it was a traceback)
+            coroutine.close()  # (never run)
+            raise UsageError(f"--metrics-port {args.metrics_port}: cannot serve metrics there: {exc}") from None
     try:
         with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
             code = runner.run(coroutine)

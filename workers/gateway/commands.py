@@ -36,20 +36,18 @@ def _raise_open_files_limit() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     import uvicorn
 
     from workers.gateway.app import Gateway, GatewayConfig
     from workers.gc_tuning import check_setting as check_gc_setting
+    from workers.logs import setup_logging
     from workers.models.tinymodel import default_model_dir
     from workers.startup import check_tokenizer_dir
 
     if args.tokenizer:
         check_tokenizer_dir(args.tokenizer)
     check_gc_setting()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     _raise_open_files_limit()
     settings = KafkaSettings.from_args(args, client_id="genpipe-gateway")
     gateway = Gateway(settings, GatewayConfig(
@@ -61,7 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
-    uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower())
+    # log_config None: uvicorn's lines (its access log too, which it printed to stdout)
+    # go through the root logger set up above, to stderr, escaped as genpipe's own
+    uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower(), log_config=None)
     return 0
 
 

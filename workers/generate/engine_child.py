@@ -19,6 +19,7 @@ from workers.generate.engine_pipe import (Abort, Add, Failed, Ready, Step, Tune,
 from workers.generate.engine_thread import EngineThread, engine_limits, make_engine
 from workers.generate.outputs import StepOutputs
 from workers.generate.token_holder import TokenHolder
+from workers.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +181,12 @@ def _exit_failed(exc: BaseException) -> None:
 
 
 def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: float, threads: int,
-                policy: ChunkPolicy | None = None) -> None:
+                policy: ChunkPolicy | None = None, log_level: int = logging.WARNING) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C / SIGTERM reach the whole process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group; the worker drains, then stops us
+    # The worker's level and format (a spawned process starts with neither: its warnings
+    # came bare, its INFO lines not at all)
+    setup_logging(log_level)
     import torch
     from transformers.utils import logging as hf_logging
 

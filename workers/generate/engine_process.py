@@ -81,7 +81,7 @@ class EngineProcess:
         self._steps, child_steps = context.Pipe(duplex=False)
         self._process = context.Process(
             target=child_main, args=(child_commands, child_steps, self.engine_options, self.min_step_s,
-                                      self.threads, self.policy),
+                                      self.threads, self.policy, logging.getLogger().getEffectiveLevel()),
             name="genpipe-engine", daemon=True)
         self._process.start()
         child_commands.close()  # the child's copies are the only ones left: its exit means EOF here
