@@ -171,7 +171,7 @@ class Delivery:
         self._answered[rid] = None
         if len(self._answered) > _ANSWERED_KEPT:
             del self._answered[next(iter(self._answered))]
-        log.warning("request %s: %s; answering on %s", rid, message, self.results_topic)
+        self.derenderer.answered_with_errors.log("request %s: %s; answering on %s", rid, message, self.results_topic)
         if record.topic != self.results_topic:
             series(REPLY_REFUSED, W).inc()
         final = HEADER_FINAL in record.headers or not self.derenderer.is_active(rid)

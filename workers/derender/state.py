@@ -159,6 +159,9 @@ class Derenderer:
         self._finished: dict[str, int | None] = {}
         self.stats = Stats()
         self.render_failures = LogDigest(log, logging.ERROR, "chunks that could not be rendered")
+        # Requests ended with an error their client can mend (a reply topic refused, a
+        # result too large): a client's requests can come in a flood, one line each
+        self.answered_with_errors = LogDigest(log, logging.WARNING, "requests answered with an error")
 
     # --- what the Kafka layer needs --------------------------------------------------
     def active_requests(self) -> list[str]:

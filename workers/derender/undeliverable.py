@@ -5,7 +5,6 @@ client's library (or `genpipe tail`) finds it by request id. Pure: the worker an
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import msgspec
@@ -15,11 +14,11 @@ from aiokafka.errors import (MessageSizeTooLargeError, RecordListTooLargeError, 
 from workers.derender.state import Derenderer, Output, Result
 from workers.kafka.records import Outgoing
 
-log = logging.getLogger(__name__)
 
 
 def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callable[[Output], Outgoing],
-                        limit: int, limit_of: Callable[[str], int] | None = None) -> list[tuple[Output, Outgoing]]:
+                        limit: int, limit_of: Callable[[str], int] | None = None,
+                        quiet: bool = False) -> list[tuple[Output, Outgoing]]:
     """The derenderer's outputs with their records. A result over `limit` bytes (a long
     non-streamed answer with many logprobs) would be refused by the broker, leaving its
     request unanswered and its offset held: the error result that ends the request
@@ -27,7 +26,7 @@ def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callab
     own limit, lower than `limit` for a reply topic whose `max.message.bytes` is
     (`Publisher.record_limit`). The worker and `genpipe replay` both apply it, so a
     replay reproduces the worker's records (but for reply topics' own limits: those are
-    the broker's, read live)."""
+    the broker's, read live). `quiet`: nothing logged (a replay of what was said)."""
     out = []
     for output in outputs:
         record = to_record(output)
@@ -41,7 +40,8 @@ def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callab
             # it stopped the worker, and every restart read the chunk again. The request
             # ends with an error in its place.
             message = f"its result could not be encoded ({exc!r})"
-            log.error("request %s: %s", output.request_id, message)
+            if not quiet:
+                derenderer.render_failures.log("request %s: %s", output.request_id, message)
             out.extend((o, to_record(o)) for o in derenderer.fail(output, message))
             continue
         if isinstance(output, Result) and (size > limit or limit_of is not None and size > limit_of(record.topic)):
@@ -54,7 +54,8 @@ def within_record_limit(derenderer: Derenderer, outputs: list, to_record: Callab
                            f"{limit_of(record.topic)} its max.message.bytes leaves for a record; raise the "
                            f"topic's max.message.bytes (to {limit} or more, the derender workers' "
                            f"--max-record-bytes) or ask for fewer logprobs")
-            log.warning("request %s: %s", output.request_id, message)
+            if not quiet:
+                derenderer.answered_with_errors.log("request %s: %s", output.request_id, message)
             # the request asked for more than a record holds: the client's to change
             out.extend((o, to_record(o)) for o in derenderer.fail(output, message, "invalid_request_error", 400))
         else:

@@ -79,7 +79,9 @@ class DerenderHandler(Handler):
         self._pending: list[tuple[list[Outgoing], TopicPartition, int, str | None]] = []
         self._pending_records = 0
         self._late_publish: asyncio.Future | None = None  # see on_revoked
-        # What the producer's answers settle, refusals answered included (delivery.py).
+        # What the producer's answers settle, refusals answered included (delivery.py): a
+        # reply topic's refusals are answered and said there, not logged by the publisher.
+        publisher.own_topics = frozenset((self.results_topic, self.cancel_topic))
         self.delivery = Delivery(publisher, derenderer, self.results_topic, self.cancel_topic, self._outgoing,
                                  lambda rid: self._answering(rid) if rid in self.request_start else None)
         # The per-chunk metrics, looked up once (a labelled lookup per chunk showed in profiles).
@@ -114,9 +116,9 @@ class DerenderHandler(Handler):
             if len(chunk.request_id) > ANSWERABLE_ID_CHARS:
                 raise RecordError(unanswerable_id(chunk))
         except RecordError as exc:
-            series(DLQ, W).inc()
             published.seen(message.offset)
-            if message.offset >= self.publish_from.get(tp, 0):
+            if message.offset >= self.publish_from.get(tp, 0):  # (a replay's copy went before, and was counted)
+                series(DLQ, W).inc()
                 # Held in `published` too, till the copy is answered: with the commit metadata
                 # saying "published" past a copy still on its way, the partition's next
                 # owner replayed the chunk quietly, and a copy lost at shutdown was lost.
@@ -128,11 +130,12 @@ class DerenderHandler(Handler):
         self._counts[0] += 1
         self._counts[1] += len(chunk.token_ids)
         rid = chunk.request_id
+        replaying = message.offset < self.publish_from.get(tp, 0)  # (its results went out before)
         outputs = self.derenderer.process(chunk)
         limit_of = None
         for output in outputs:  # (a coroutine per chunk only when a reply topic needs checking)
             if type(output) is Result and output.reply_topic and output.reply_topic != self.results_topic:
-                outputs = await self._reply_topics_checked(outputs)
+                outputs = await self._reply_topics_checked(outputs, replaying)
                 if self.offsets.get(tp) is None or self.published.get(tp) is not published:
                     # Revoked (and maybe assigned again) while the lookup waited: the
                     # partition's owner reads this chunk again (no commit passed it), so
@@ -142,14 +145,13 @@ class DerenderHandler(Handler):
                     return
                 limit_of = self.publisher.record_limit  # (its max.message.bytes may be lower)
                 break
-        records = self._records(outputs, tp, limit_of)
+        records = self._records(outputs, tp, limit_of, quiet=replaying)
         if rid not in self.request_start and (records or self.derenderer.is_active(rid)):
             # Pins the commit until the request is finished and its results acknowledged;
             # a request answered by this one chunk too (an error, max_tokens 1): the commit
             # went past it before its result was acknowledged, lost if the worker then died.
             self.request_start[rid] = (tp, self.offsets.hold(message))
         published.seen(message.offset)
-        replaying = message.offset < self.publish_from.get(tp, 0)
         active = self.derenderer.is_active(rid)
         finished = rid in self.request_start and not active
         if self._stall_check is not None:
@@ -316,7 +318,7 @@ class DerenderHandler(Handler):
         await self.publisher.fail_records_of_deleted_topics()  # (a reply topic deleted mid-stream)
         await self._publish_pending()
 
-    async def _reply_topics_checked(self, outputs: list[Output]) -> list[Output]:
+    async def _reply_topics_checked(self, outputs: list[Output], replaying: bool) -> list[Output]:
         """Results whose reply topic breaks the deployment's rule, or does not exist, become
         an error result on the default topic (generate checks the rule too; a chunk may
         come from elsewhere). Applied on replays too, so state is rebuilt the same way."""
@@ -329,19 +331,21 @@ class DerenderHandler(Handler):
                     problem = (f"reply_topic {topic!r} does not exist (or the derender workers may not "
                                f"write to it): create it first")
                 if problem is not None:
-                    log.warning("request %s: %s", output.request_id, problem)
-                    series(REPLY_REFUSED, W).inc()
+                    if not replaying:  # (its first reading counted and said it)
+                        self.derenderer.answered_with_errors.log("request %s: %s", output.request_id, problem)
+                        series(REPLY_REFUSED, W).inc()
                     checked.extend(answer_on_default_topic(self.derenderer, output, problem))
                     continue
             checked.append(output)
         return checked
 
-    def _records(self, outputs: list, tp: TopicPartition, limit_of: Callable[[str], int] | None = None
-                 ) -> list[Outgoing]:
-        # Sized on replays too (records below `publish_from`), so state is rebuilt the same way.
+    def _records(self, outputs: list, tp: TopicPartition, limit_of: Callable[[str], int] | None = None,
+                 quiet: bool = False) -> list[Outgoing]:
+        # Sized on replays too (records below `publish_from`), so state is rebuilt the same
+        # way; `quiet` there (the first reading said what it found).
         return [record for _, record in within_record_limit(
             self.derenderer, outputs, lambda output: self._outgoing(output, tp), self.publisher.max_record_bytes,
-            limit_of)]
+            limit_of, quiet)]
 
     def _outgoing(self, output, tp: TopicPartition) -> Outgoing:
         if isinstance(output, CancelRequest):
@@ -415,5 +419,6 @@ class DerenderHandler(Handler):
 
     async def drain(self, deadline: float) -> None:
         self.derenderer.render_failures.flush()
+        self.derenderer.answered_with_errors.flush()
         self._stalled_log.flush()
         await self.publisher.flush_at_shutdown([asyncio.ensure_future(self._publish_pending())])

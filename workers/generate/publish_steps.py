@@ -26,6 +26,7 @@ from workers.generate.chunks import W, ChunkBuilder, ChunkPolicy, Final, InFligh
 from workers.kafka.offsets import release_when_settled
 from workers.kafka.publisher import Publisher
 from workers.kafka.records import Outgoing
+from workers.log_digest import LogDigest
 from workers.metrics import CHUNK_HOLD, CHUNK_STRETCH, ERRORS, PUBLISH_REFUSED, REQUESTS, HistogramBatch, series
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class PublishSteps:
         self._ready: list[InFlight] = []  # requests with tokens received, not yet taken (in arrival order)
         self._tuned = (False, 1.0)  # what the engine's token holder was last told (_tune)
         self._hold = HistogramBatch(series(CHUNK_HOLD, W))  # flushed once per publish step
+        # Requests ended because their chunks cannot fit a record (many logprobs): a
+        # client's requests can come in a flood, a line each (log_digest.py)
+        self.too_large_log = LogDigest(log, logging.WARNING, "requests ended with chunks too large")
 
     def ready(self, state: InFlight) -> None:
         """`state` has pending tokens: the next step takes them."""
@@ -197,7 +201,7 @@ class PublishSteps:
         chunk cannot fit the record limit ends here with an error chunk."""
         records, too_large = self.chunks.take(state, final, max_tokens)
         if too_large is not None:
-            log.warning("request %s: %s", state.request.request_id, too_large)
+            self.too_large_log.log("request %s: %s", state.request.request_id, too_large)
             series(ERRORS, W).inc()
             if not state.closed:  # still generating: stop it here
                 series(REQUESTS, W, "error").inc()

@@ -123,7 +123,6 @@ class GenerateHandler(Handler):
             return
         if (request.request_id in self.inflight or request.request_id in self.waiting
                 or self._ending.get(request.request_id) is not None):  # (a copy queued behind its stopped one)
-            series(REQUESTS, W, "accepted").inc()
             self._drop_copy(request.request_id, message.offset, release)
             return
         state = InFlight(request, tp, message.offset, release)
@@ -133,11 +132,14 @@ class GenerateHandler(Handler):
                 state.request = msgspec.structs.replace(request, reply_topic=None)
                 await self._reject(state, problem)
                 return
-        series(REQUESTS, W, "accepted").inc()
+        # Counted "accepted" or "invalid", once: a request that broke a rule below was
+        # counted both, and a dropped copy (above) as accepted again.
         if request.request_id in self.cancelled:
+            series(REQUESTS, W, "accepted").inc()
             await self._publish_final(state, Final("abort"))
             return
         if _expired(request):
+            series(REQUESTS, W, "accepted").inc()
             await self._publish_final(state, _deadline_passed(state))
             return
         try:
@@ -149,6 +151,7 @@ class GenerateHandler(Handler):
         if problem is not None:
             await self._reject(state, problem)
             return
+        series(REQUESTS, W, "accepted").inc()
         if request.request_id in self._ending:
             if self._ending[request.request_id] is None:
                 self._ending[request.request_id] = state  # queued once the old copy's final is back
@@ -395,6 +398,7 @@ class GenerateHandler(Handler):
         ones finish if they can before `deadline`."""
         self._draining = True
         self._duplicates.flush()
+        self.steps.too_large_log.flush()
         handed_back = self.waiting.take_all()
         if handed_back:
             log.info("shutting down: %d waiting requests handed back to the partitions' next owners", len(handed_back))

@@ -56,6 +56,10 @@ class Publisher:
         self.failed = 0
         self.topics = TopicCounts(producer)  # which topics exist, their partition counts (topic_metadata.py)
         self.stuck = False  # a shutdown flush ran out of time: the broker is away, waiting again is no use
+        # The deployment's topics this worker writes, where its records may go elsewhere too
+        # (the derender's reply topics): failures of the others are the caller's to log.
+        # None: every topic is its own.
+        self.own_topics: frozenset[str] | None = None
         self.lanes = Lanes(self._send_in_lane)  # partitions the producer cannot take records for (lanes.py)
         accumulator = getattr(producer, "_message_accumulator", None)
         self._queued = getattr(accumulator, "_batches", None)  # each partition's batch not yet taken by the sender
@@ -252,7 +256,7 @@ class Publisher:
                 self._open[tp] = (queued[-1], future)
             else:
                 batch.close()
-        self._track(future, len(members), logged=tp.topic == self.dlq_topic)  # (to_dlq logs its own)
+        self._track(future, len(members), logged=self._logged_by_caller(tp.topic))
         for i in members:
             futures[i] = future
 
@@ -275,7 +279,7 @@ class Publisher:
             futures[i] = future
             joined += 1
         if joined:
-            self._track(future, joined, logged=tp.topic == self.dlq_topic)
+            self._track(future, joined, logged=self._logged_by_caller(tp.topic))
         return joined
 
     async def _room_for(self, tp: TopicPartition) -> bool:
@@ -338,6 +342,12 @@ class Publisher:
                             "still waiting, nothing is dropped", topic, "any" if partition is None else partition,
                             time.monotonic() - started)
                 await asyncio.sleep(0)  # (a send that raises at once must not hold the loop)
+
+    def _logged_by_caller(self, topic: str) -> bool:
+        """Whether a failure to publish to `topic` is the caller's to log: the DLQ's
+        (to_dlq), and with `own_topics` set, any other topic (a reply topic: the derender
+        answers it and says so; logged here too, a tenant's topic made ERROR lines, twice)."""
+        return topic == self.dlq_topic or (self.own_topics is not None and topic not in self.own_topics)
 
     def _track(self, future: asyncio.Future, records: int = 1, logged: bool = False) -> None:
         """Counted in flight until `future` ends; a failure is logged here unless `logged`
