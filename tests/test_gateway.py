@@ -72,6 +72,20 @@ def test_a_chat_body_maps_onto_a_request():
     ({"prompt": "x", "stop": "y" * 1001}, "completion", "stop", 400),
     ({"prompt": "x", "stop": ""}, "completion", "stop", 400),
     ({"prompt": "x", "stop_token_ids": list(range(1025))}, "completion", "stop_token_ids", 400),
+    # vLLM's extensions that change the output: ignored, a structured-output request got
+    # free text that looked valid
+    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["yes", "no"]}, "chat", "guided_choice", 400),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "completion", "guided_json", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}}, "chat",
+     "chat_template_kwargs", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "chat",
+     "continue_final_message", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, "chat",
+     "add_generation_prompt", 400),
+    ({"prompt": "x", "add_special_tokens": False}, "completion", "add_special_tokens", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, "chat", "add_special_tokens", 400),
+    ({"prompt": "x", "use_beam_search": True}, "completion", "use_beam_search", 400),
+    ({"prompt": "x", "return_tokens_as_token_ids": True}, "completion", "return_tokens_as_token_ids", 400),
 ])
 def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     with pytest.raises(BadParameter) as err:
@@ -89,6 +103,29 @@ def test_a_prompt_with_no_room_in_the_context_is_refused_before_the_fan_out():
         _check_context([[1], [1] * 2048], 2048, "prompt")
     assert err.value.param == "prompt" and err.value.status == 400
     assert str(err.value).startswith("prompt[1] has 2048 tokens but the model's context is 2048")
+
+
+def test_vllm_s_extensions_at_their_defaults_pass():
+    """A client that sends vLLM's request model whole sends these at their defaults."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "add_special_tokens": False,
+            "continue_final_message": False, "use_beam_search": False, "length_penalty": 1.0, "guided_json": None,
+            "chat_template_kwargs": None, "bad_words": [], "return_tokens_as_token_ids": False}
+    assert parse(chat, "chat", "m").messages == chat["messages"]
+    assert parse({"prompt": "x", "add_special_tokens": True, "truncate_prompt_tokens": None}, "completion",
+                 "m").prompts == ["x"]
+
+
+def test_numbers_and_content_parts_as_vllm_reads_them():
+    """`max_tokens: 256.0` (a number a script computed) got 400; vLLM takes it. Text
+    content parts were joined with "" where vLLM joins them with a newline: the same
+    request rendered another prompt."""
+    p = parse({"prompt": "x", "max_tokens": 256.0, "n": 2.0, "seed": 7.0}, "completion", "m")
+    assert (p.options["max_tokens"], p.n, p.options["seed"]) == (256, 2, 7)
+    with pytest.raises(BadParameter, match="max_tokens must be an integer"):
+        parse({"prompt": "x", "max_tokens": 2.5}, "completion", "m")
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    assert parse({"messages": [{"role": "user", "content": parts}]}, "chat", "m").messages == [
+        {"role": "user", "content": "first\nsecond"}]
 
 
 def test_null_is_not_given():
@@ -594,13 +631,22 @@ def _relayed(metrics: httpx.Response) -> float:
 
 @pytest.mark.kafka
 async def test_without_workers_health_is_503_and_a_request_times_out_with_504(kafka_settings, make_topics,
-                                                                              tiny_model_dir):
+                                                                              tiny_model_dir, monkeypatch):
+    from workers.kafka import groups
+
+    admins = []
+    make_admin = groups.make_admin
+    monkeypatch.setattr(groups, "make_admin", lambda settings: admins.append(1) or make_admin(settings))
     await make_topics(kafka_settings, partitions=2)
     async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0,
                                answer_timeout_s=1.0) as \
             (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
         health = await http.get("/health")
         assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
+        # a burst of checks (a load balancer's, anyone's: /health takes no credentials)
+        # shares one look at the groups; each opened an admin client
+        burst = await asyncio.gather(*(http.get("/health") for _ in range(20)))
+        assert {r.status_code for r in burst} == {503} and len(admins) <= 2, len(admins)
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert "raise --answer-timeout" in r.json()["error"]["message"]

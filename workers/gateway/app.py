@@ -43,6 +43,7 @@ except ImportError:  # (no jinja2: no chat templates either)
     TemplateError = ValueError
 
 log = logging.getLogger(__name__)
+HEALTH_REUSE_S = 2.0  # a look at the worker groups answers /health this long
 _json = msgspec.json.Encoder()
 
 
@@ -89,6 +90,8 @@ class Gateway:
                                     send_timeout_s=config.send_timeout_s, cancel_on_abandon=False,
                                     max_unread=config.max_unread, max_record_bytes=config.max_record_bytes)
         self.in_flight = 0
+        self._health: asyncio.Future | None = None  # the last look at the worker groups (health)
+        self._health_at = 0.0
         self.stall_watch = StallWatch(config.write_timeout_s)  # streams whose client stopped reading
         self.max_model_len = _max_model_len(config.tokenizer)
 
@@ -353,9 +356,15 @@ class Gateway:
         failed = self.client.reader_error
         if failed is not None:  # every request gets 503 until the gateway is restarted
             return _unavailable(f"this gateway's reader of {self.reply_topic} failed ({failed!r}); restart it")
+        loop = asyncio.get_running_loop()
+        if self._health is None or (self._health.done() and loop.time() - self._health_at >= HEALTH_REUSE_S):
+            # One look at the groups answers every call for a while: each call opened an
+            # admin client (a connection, TLS and a login), and /health takes no credentials
+            self._health_at = loop.time()
+            self._health = asyncio.ensure_future(asyncio.wait_for(
+                missing_workers(self.settings, self.config.worker_groups, raise_errors=True), 10))
         try:
-            missing = await asyncio.wait_for(
-                missing_workers(self.settings, self.config.worker_groups, raise_errors=True), 10)
+            missing = await asyncio.shield(self._health)  # (a caller that goes away leaves it to the others)
         except Exception as exc:  # Kafka unreachable: nothing can be served
             return _unavailable(f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}")
         if missing:

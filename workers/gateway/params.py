@@ -26,6 +26,17 @@ UNSUPPORTED = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "suffix": lambda v: bool(v),
+    # vLLM's extensions that change what is generated or how the prompt is rendered:
+    # ignored, a structured-output request got free text that looked valid (the module's
+    # rule); sent at their defaults they pass
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "chat_template", "chat_template_kwargs", "bad_words", "allowed_token_ids", "logits_processors",
+                     "truncate_prompt_tokens"), lambda v: bool(v)),
+    "continue_final_message": lambda v: bool(v),
+    "add_generation_prompt": lambda v: v is False,
+    "use_beam_search": lambda v: bool(v),
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "return_tokens_as_token_ids": lambda v: bool(v),
 }
 # Not yet in this gateway (issue #12 lists them): refused by name too.
 NOT_YET: dict = {}
@@ -58,6 +69,10 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
         if name in body and used(body[name]):
             what = "is not supported by genpipe" if name in UNSUPPORTED else "is not supported by this gateway yet"
             raise BadParameter(name, f"{name} {what}")
+    special = body.get("add_special_tokens")  # vLLM's: a completion's BOS; a chat's template has its own
+    if special is not None and special != (kind == "completion"):
+        raise BadParameter("add_special_tokens", f"add_special_tokens {special!r} is not supported by genpipe for "
+                                                 f"{'completions' if kind == 'completion' else 'chat completions'}")
     model = _given(body, "model", model_name)
     if model != model_name:
         raise BadParameter("model", f"the model {str(model)[:200]!r} does not exist; this gateway serves "
@@ -158,7 +173,7 @@ def _messages(value: Any) -> list[dict]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise BadParameter(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM renders them ("" joined: another prompt)
         if not isinstance(content, str):
             raise BadParameter(f"messages[{i}].content", f"messages[{i}].content must be a string")
         out.append({"role": m["role"], "content": content})
@@ -205,6 +220,8 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
 
 
 def _int(value: Any, param: str, low: int | None, high: int | None) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # `256.0`: vLLM's request models take it (a script that computed it got 400)
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadParameter(param, f"{param} must be an integer")
     high = INT64_MAX if high is None else min(high, INT64_MAX)

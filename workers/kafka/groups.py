@@ -35,7 +35,6 @@ async def group_states(settings: KafkaSettings, group_ids: list[str],
     """(state, live members) of each group: state "Stable" once a rebalance is over
     ("Dead" / "Empty" with 0 members for a group with none)."""
     admin = make_admin(settings.with_client_id(f"{settings.client_id}-groups"))
-    await asyncio.wait_for(admin.start(), timeout_s)
     states = {group_id: ("Dead", 0) for group_id in group_ids}
 
     async def describe(group_id: str) -> None:
@@ -59,7 +58,8 @@ async def group_states(settings: KafkaSettings, group_ids: list[str],
                     states[group_id] = (state, len(members))
                 elif described == group_id and error_code == GroupAuthorizationFailedError.errno:
                     states[group_id] = (UNAUTHORIZED, -1)
-    try:
+    try:  # (a start that failed left the client open: each /health call added one)
+        await asyncio.wait_for(admin.start(), timeout_s)
         await asyncio.wait_for(asyncio.gather(*(describe(g) for g in group_ids)), timeout_s)
     finally:
         await admin.close()
