@@ -45,7 +45,14 @@ def export_schemas(out_dir: Path) -> list[Path]:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    for path in export_schemas(Path(args.dir)):
+    import sys
+
+    try:
+        written = export_schemas(Path(args.dir))
+    except OSError as exc:  # (a file where the directory goes, no permission: a traceback)
+        print(f"genpipe schema export: {exc}", file=sys.stderr)
+        return 1
+    for path in written:
         print(path)
     return 0
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import msgspec
 import pytest
 
 from schemas import (Cancel, ChatCompletion, ChatCompletionChunk, ChatCompletionStreamChoice, Completion,
-                     DeltaMessage, ErrorResponse, GenerateChunk, JSON, encode, headers_for)
+                     DeltaMessage, ErrorResponse, GenerateChunk, GenerateRequest, JSON, OutputOptions, encode,
+                     headers_for)
 from tests.kafka_helpers import chunks_finished, read_to_end, read_topic
 from workers.cli import main
 from workers.client import (AttemptFilter, GenpipeClient, GenpipeError, GenpipeTimeout, Restart, assemble,
@@ -283,6 +285,19 @@ async def test_duplicates_and_restarts_are_hidden(kafka_settings, make_topics, c
     assert out == "a0a1\nb0b1b2\n" and "restarted (attempt attempt-b)" in err
 
 
+def test_make_request_takes_one_stop_string_or_id_as_openai_does():
+    """`stop="END"` became three stop strings, E, N and D (any of them ended the answer);
+    a deadline of inf overflowed into a traceback at send time."""
+    from workers.requests import make_request
+
+    one = make_request([1, 2], stop="END", stop_token_ids=7)
+    assert one.output.stop == ["END"] and one.sampling.stop_token_ids == [7]
+    assert make_request([1, 2], stop=("a", "b")).output.stop == ["a", "b"]
+    for bad in (math.inf, math.nan, -1.0):
+        with pytest.raises(ValueError, match="deadline_s must be a number of seconds"):
+            make_request([1, 2], deadline_s=bad)
+
+
 def test_attempt_filter_rules():
     f = AttemptFilter()
     assert f.accept("a", 0) is False and f.accept("a", 1) is False
@@ -296,6 +311,94 @@ def test_attempt_filter_rules():
     assert AttemptFilter().accept(None, None) is False  # no genpipe headers: shown as is
     with pytest.raises(ValueError):
         assemble([])
+
+
+async def test_closing_the_client_cancels_the_requests_still_waiting(kafka_settings, make_topics):
+    """close() woke the waiting readers and dropped the producer before they could send
+    their cancels (their cleanup needs it): the requests ran on, on the workers, for
+    nobody, while `records()` promises that leaving early cancels."""
+    from tests.kafka_helpers import wait_for
+
+    await make_topics(kafka_settings, partitions=1)
+    client = GenpipeClient(settings=kafka_settings, timeout_s=120)
+    await client.start()
+    waiting = asyncio.ensure_future(client.complete(make_request([1, 5, 6], request_id="left-behind")))
+    await wait_for(lambda: "left-behind" in client._waiting and client._waiting["left-behind"].started, 30,
+                   "the request to be sent")
+    await client.close()
+    with pytest.raises(RuntimeError, match="closed while request 'left-behind' was waiting"):
+        await waiting
+    cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), until=lambda r: len(r) >= 1, timeout=30)
+    assert [decode_message(c, Cancel).request_id for c in cancels] == ["left-behind"]
+
+
+async def test_a_client_with_its_own_reply_topic_submits_requests_that_name_it(kafka_settings, make_topics):
+    """Only `records()` filled in the client's reply topic: a request sent with `submit()`
+    named none, and its results went to the shared results topic, where every tenant
+    reads, while whoever watched the client's own topic waited for good."""
+    from tests.kafka_helpers import create_topic
+
+    await make_topics(kafka_settings, partitions=1)
+    mine = f"{kafka_settings.topic_prefix}.reply.team-a"
+    await create_topic(kafka_settings, mine)
+    async with GenpipeClient(settings=kafka_settings, reply_topic=mine) as client:
+        await client.submit(make_request([1, 5, 6], request_id="fire-and-forget"))
+        await client.submit(make_request([1, 5, 6], request_id="elsewhere", reply_topic=f"{mine}-b"))
+    sent = await read_topic(kafka_settings, kafka_settings.topic("requests"), until=lambda r: len(r) >= 2, timeout=30)
+    assert [decode_message(r, GenerateRequest).reply_topic for r in sent] == [mine, f"{mine}-b"]
+
+
+async def test_tail_s_idle_exit_counts_only_the_records_it_would_print(kafka_settings, make_topics, capsys):
+    """`tail --request-id X --idle-exit S` reset its idle clock on any record, other
+    requests' too: on a busy results topic it never exited. Here another request's
+    records keep coming every 50 ms while X has none."""
+    from workers.kafka.clients import make_producer
+
+    await make_topics(kafka_settings, partitions=1)
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    tail = asyncio.ensure_future(cli("tail", *kafka_args(kafka_settings), "--request-id", "quiet-one",
+                                     "--idle-exit", "2"))
+    deadline = asyncio.get_running_loop().time() + 30
+    try:
+        while not tail.done():  # (the busy topic: a record every 50 ms until tail exits)
+            assert asyncio.get_running_loop().time() < deadline, "tail did not exit: the other records kept it"
+            await producer.send_and_wait(kafka_settings.topic("results"), b"{}", key=b"someone-else")
+            await asyncio.wait({tail}, timeout=0.05)
+        assert tail.result() == 0
+    finally:
+        await producer.stop()
+        await asyncio.wait_for(tail, 60)  # (without the fix: ends once the records stop)
+    assert capsys.readouterr().out == ""
+
+
+async def test_replay_rebuilds_a_request_restarted_inside_its_range(kafka_settings, make_topics, tiny_model_dir,
+                                                                    tmp_path, capsys):
+    """The range starts inside an attempt (its seq 0 before it: that attempt cannot be
+    rebuilt) and holds the whole of the request's next attempt, restarted on another
+    worker. The next attempt was skipped too, as the request was; its result is there."""
+    from tests.derender_support import make_chunks
+    from workers.kafka.clients import make_producer
+
+    await make_topics(kafka_settings, partitions=1)
+    old = make_chunks("restarted", [40, 41, 42], attempt="old", finish_reason=None)
+    new = make_chunks("restarted", [43, 44], attempt="new", output=OutputOptions(kind="completion"))
+    producer = make_producer(kafka_settings)
+    await producer.start()
+    try:
+        for chunk in [old[0], *old[1:], *new]:
+            await producer.send_and_wait(kafka_settings.topic("chunks"), encode(chunk), key=b"restarted",
+                                         headers=list(headers_for(chunk)), partition=0)
+    finally:
+        await producer.stop()
+    out = tmp_path / "results.jsonl"
+    rc = await cli("replay", *kafka_args(kafka_settings), "--from", "1", "--out", str(out), "--tokenizer",
+                   str(tiny_model_dir))  # (from offset 1: the old attempt's seq 0 is out of range)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    (line,) = [json.loads(l) for l in out.read_text().splitlines()]
+    assert line["key"] == "restarted" and line["headers"]["genpipe-attempt"] == "new"
+    assert line["value"]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_settings, make_topics):

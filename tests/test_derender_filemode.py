@@ -137,3 +137,16 @@ def test_a_result_over_the_record_limit_becomes_the_worker_s_error(tmp_path, cap
     assert cli.main(argv + ["--max-record-bytes", str(size // 2)]) == 0
     (error,) = read_out(dst.read_text())
     assert "result too large" in error["value"]["error"]["message"] and error["headers"]["genpipe-final"] == "1"
+
+
+def test_a_file_given_as_both_input_and_output_is_refused_untouched(tmp_path, capsys):
+    """`--in F --out F` opened the output first: the input was emptied, read as empty,
+    and the run said "0 chunks -> 0 results" with exit 0 (the chunks were lost)."""
+    src = tmp_path / "chunks.jsonl"
+    src.write_text("\n".join(chunk_lines()) + "\n")
+    before = src.read_bytes()
+    for argv in (["--out", str(src)], ["--out", str(tmp_path / "r.jsonl"), "--cancels", str(tmp_path / "r.jsonl")],
+                 ["--out", str(tmp_path / "." / "chunks.jsonl")]):
+        rc = cli.main(["derender", "--in", str(src), "--tokenizer", str(tokenizer_dir("spm")), *argv])
+        assert rc == 2 and "is given twice (--in, --out, --cancels)" in capsys.readouterr().err
+    assert src.read_bytes() == before and not (tmp_path / "r.jsonl").exists()

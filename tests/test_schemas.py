@@ -388,8 +388,11 @@ def test_schema_export_writes_a_json_schema_per_topic(tmp_path):
     assert len(results["anyOf"]) == 4
 
 
-def test_schema_export_cli(tmp_path):
+def test_schema_export_cli(tmp_path, capsys):
     from workers.cli import main
 
     assert main(["schema", "export", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "cancel.schema.json").exists()
+    (tmp_path / "a-file").write_text("x")  # where the directory goes: one line, not a traceback
+    assert main(["schema", "export", str(tmp_path / "a-file")]) == 1
+    assert capsys.readouterr().err.startswith("genpipe schema export: [Errno 17] File exists")

@@ -34,6 +34,18 @@ def int64(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (`inf` overflowed a deadline
+    into a traceback; `nan` never timed out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < 1e9:  # (also refuses NaN; 1e9 s is ~32 years)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0 and below 1e9, got {text}")
+    return value
+
+
 def port_number(minimum: int = 1):
     """An argparse type: a TCP port, `minimum`..65535 (0 where it means "none")."""
     in_range = at_least(minimum)
@@ -124,6 +136,17 @@ def worker_groups(args: argparse.Namespace, topic_prefix: str) -> dict[str, str]
     """Group id -> role, from `add_worker_group_options`' arguments."""
     return {args.generate_group_id or f"{topic_prefix}-generate": "generate",
             args.derender_group_id or f"{topic_prefix}-derender": "derender"}
+
+
+def stdout_gone() -> int:
+    """The reader of stdout went away (`genpipe tail | head`): the command ends quietly,
+    exit 0, and the interpreter's own flush at exit finds somewhere to write (it printed
+    "Exception ignored ... BrokenPipeError")."""
+    import os
+    import sys
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def topic_arg(value: str) -> str:

@@ -28,6 +28,7 @@ from schemas import (Cancel, ChatCompletion, Completion, DecodeError, ErrorInfo,
                      RecordError, encode, header_value, headers_for)
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
 from workers.kafka.settings import KafkaSettings
+from workers.log_digest import LogDigest
 from workers.mailbox import KEEPALIVE, OVERFLOW, TIMED_OUT, Mailbox
 # The library's public names live in two modules of their own; `workers.client` is
 # where users import them from (README "From Python").
@@ -100,6 +101,8 @@ class GenpipeClient:
         self._dispatcher: asyncio.Task | None = None
         self._waiting: dict[str, Mailbox] = {}
         self._background: set[asyncio.Task] = set()  # cancels sent on their own (cancel_soon)
+        # (with Kafka away every choice of every request fails its cancel: a line each)
+        self._cancels_failed = LogDigest(log, logging.WARNING, "cancels not sent")
         self._closed: _Closed | None = None
 
     # --- lifecycle -------------------------------------------------------------------
@@ -149,11 +152,24 @@ class GenpipeClient:
         self._dispatcher = asyncio.ensure_future(self._dispatch())
 
     async def close(self) -> None:
+        """Stop the client. Requests still waiting for their answers are cancelled first
+        (unless `cancel_on_abandon=False`), as a reader that gives up cancels its own: their
+        readers then raise, with the producer gone, and the requests ran on for nobody."""
+        if self.cancel_on_abandon and self._producer is not None:
+            waiting = [rid for rid, mailbox in self._waiting.items() if mailbox.started and not mailbox.overflowed]
+            if waiting:
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(self.cancel(rid, "the client closed") for rid in waiting),
+                                                          return_exceptions=True), CLOSE_WAIT_S)
+                except asyncio.TimeoutError:
+                    log.warning("could not cancel %d waiting requests within %g s of closing", len(waiting),
+                                CLOSE_WAIT_S)
         dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
             dispatcher.cancel()
             await asyncio.gather(dispatcher, return_exceptions=True)
         self._fail_waiting(None)
+        self._cancels_failed.flush()
         producer, consumer = self._producer, self._consumer
         self._producer = self._consumer = None
         try:
@@ -213,8 +229,12 @@ class GenpipeClient:
             raise RuntimeError("GenpipeClient is not started: use `async with GenpipeClient(...) as client`")
 
     async def submit(self, request: GenerateRequest) -> None:
-        """Send a request without waiting for its results (they go to its reply topic)."""
+        """Send a request without waiting for its results (they go to its reply topic:
+        this client's, when the request names none and the client has one of its own; it
+        went to the shared results topic, in sight of every tenant)."""
         self._require_started()
+        if request.reply_topic is None and self.reply_topic != self.settings.topic("results"):
+            request = msgspec.structs.replace(request, reply_topic=self.reply_topic)
         await self._send("requests", request, request.request_id)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
@@ -352,7 +372,7 @@ class GenpipeClient:
         task = asyncio.ensure_future(self.cancel(request_id, reason[:500]))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self._cancels_failed.log(
             "could not cancel %s: %s", request_id, t.exception()))
 
     def _timeout_message(self, rid: str, timeout: float, received: int) -> str:

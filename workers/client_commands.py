@@ -13,8 +13,8 @@ import sys
 import time
 
 from workers.startup import one_line as _one_line
-from workers.cli_options import (add_worker_group_options, int64, quiet_kafka_logs, resolve_topic, topic_arg,
-                                 worker_groups)
+from workers.cli_options import (add_worker_group_options, at_least, int64, quiet_kafka_logs, resolve_topic,
+                                 seconds, stdout_gone, topic_arg, worker_groups)
 from workers.kafka.settings import KafkaSettings
 
 _SUBMIT_EPILOG = """\
@@ -66,17 +66,22 @@ def _token_ids(value: str) -> list[int]:
     return ids
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _chat_message(value: str) -> dict:
+    # Only a chat role in front is one: "Q: what is 2+2?" was sent as role "Q" (a user
+    # message the template then rendered as some other speaker), with no error
     role, sep, text = value.partition(":")
-    if not sep or not role.strip() or " " in role.strip():
+    if not sep or role.strip().lower() not in CHAT_ROLES:
         return {"role": "user", "content": value}
-    return {"role": role.strip(), "content": text[1:] if text.startswith(" ") else text}
+    return {"role": role.strip().lower(), "content": text[1:] if text.startswith(" ") else text}
 
 
 def _max_tokens(value: str) -> int | None:
     if value.lower() in ("none", "max"):
         return None
-    number = int(value)
+    number = int64(value)
     if number < 1:
         raise argparse.ArgumentTypeError("must be at least 1 (or 'none' for the model's context)")
     return number
@@ -94,7 +99,8 @@ def _add_submit(subparsers) -> None:
     source = prompt.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="completion prompt text")
     source.add_argument("--chat", metavar="'ROLE: TEXT'", action="append", type=_chat_message,
-                        help="a chat message, e.g. 'user: Hello!' (repeatable, in order; no role = user)")
+                        help="a chat message, e.g. 'user: Hello!' (repeatable, in order; the roles: "
+                             f"{', '.join(CHAT_ROLES)}; anything else is all a user's text)")
     source.add_argument("--chat-file", metavar="FILE",
                         help='JSON chat messages: [{"role": ..., "content": ...}, ...] or '
                              '{"messages": [...]}; - for stdin')
@@ -109,23 +115,23 @@ def _add_submit(subparsers) -> None:
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=_max_tokens, default=64, metavar="N",
                    help="most tokens to generate; 'none' = until the context is full (default: 64)")
-    s.add_argument("--min-tokens", type=int, default=0, metavar="N",
+    s.add_argument("--min-tokens", type=int64, default=0, metavar="N",
                    help="generate at least N tokens before EOS/stop tokens count (default: 0)")
     s.add_argument("--temperature", type=float, default=1.0,
                    help="0 = greedy (default: 1.0)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
-    s.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default: 0)")
+    s.add_argument("--top-k", type=int64, default=0, help="keep the K most likely tokens; 0 = off (default: 0)")
     s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token (default: 0)")
     s.add_argument("--seed", type=int64, default=None, help="per-request sampling seed (reproducible output)")
-    s.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
+    s.add_argument("--stop-token-id", type=int64, action="append", default=[], metavar="ID",
                    help="stop when this token id is sampled (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    s.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
+    s.add_argument("--logprobs", type=int64, nargs="?", const=0, default=None, metavar="K",
                    help="completion: the sampled token and the top K per position; "
                         "chat: turn logprobs on (K = top_logprobs when --top-logprobs is absent)")
-    s.add_argument("--top-logprobs", type=int, default=None, metavar="K",
+    s.add_argument("--top-logprobs", type=int64, default=None, metavar="K",
                    help="chat: K candidates per position (implies --logprobs)")
-    s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+    s.add_argument("--prompt-logprobs", type=int64, default=None, metavar="K",
                    help="vLLM's prompt_logprobs field in a non-streamed result (--no-stream): per prompt "
                         "token its logprob, rank and text, with the top K candidates")
 
@@ -146,10 +152,10 @@ def _add_submit(subparsers) -> None:
     d.add_argument("--request-id", default=None, help="request id (default: a new uuid)")
     d.add_argument("--reply-topic", type=topic_arg, default=None, metavar="TOPIC",
                    help="topic for the results (must exist; default: <prefix>.results)")
-    d.add_argument("--deadline-s", type=float, default=None, metavar="S",
+    d.add_argument("--deadline-s", type=seconds, default=None, metavar="S",
                    help="abort generation S seconds from now (finish_reason=abort)")
     d.add_argument("--priority", type=int64, default=0, help="request priority (default: 0)")
-    d.add_argument("--timeout", type=float, default=120.0, metavar="S",
+    d.add_argument("--timeout", type=seconds, default=120.0, metavar="S",
                    help="give up when no result arrives for S seconds (default: 120)")
 
     r = p.add_argument_group("printing")
@@ -219,7 +225,7 @@ def run_submit(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_submit(args, request))
     except BrokenPipeError:
-        return 0
+        return stdout_gone()
 
 
 async def _submit(args: argparse.Namespace, request) -> int:
@@ -283,6 +289,8 @@ async def _submit(args: argparse.Namespace, request) -> int:
     except KafkaUnreachable as exc:  # says where and why already
         print(f"genpipe submit: {_one_line(exc)}", file=err)
         return 1
+    except BrokenPipeError:
+        raise  # (the reader of stdout went away, `| head`: not Kafka's doing; main says nothing)
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe submit: Kafka at {settings.bootstrap_servers}: {_one_line(exc)}", file=err)
         return 1
@@ -357,9 +365,9 @@ def _add_tail(subparsers) -> None:
                    help="start at the oldest retained record (default: only new records)")
     p.add_argument("--until-final", action="store_true",
                    help="exit after the first record with genpipe-final: 1 (with --request-id: its own)")
-    p.add_argument("--max-records", type=int, default=None, metavar="N", help="exit after printing N records")
-    p.add_argument("--idle-exit", type=float, default=None, metavar="S",
-                   help="exit when no record arrived for S seconds")
+    p.add_argument("--max-records", type=at_least(1), default=None, metavar="N", help="exit after printing N records")
+    p.add_argument("--idle-exit", type=seconds, default=None, metavar="S",
+                   help="exit when no record to print (one of --request-id's, with it) arrived for S seconds")
     KafkaSettings.add_arguments(p)
     p.set_defaults(func=run_tail)
 
@@ -372,7 +380,7 @@ def run_tail(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_tail(args))
     except BrokenPipeError:
-        return 0
+        return stdout_gone()
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe tail: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -381,29 +389,29 @@ def run_tail(args: argparse.Namespace) -> int:
 async def _tail(args: argparse.Namespace) -> int:
 
     from schemas import header_value
-    from workers.client import record_json
     from schemas.headers import HEADER_FINAL
+    from workers.client import _stop as stop_consumer, record_json
+    from workers.kafka.clients import start_client
     from workers.kafka.follow import assign_all, batches, make_follower
     from workers.kafka.settings import KafkaSettings
 
     settings = KafkaSettings.from_args(args, client_id="genpipe-tail")
     topic = resolve_topic(settings, args.topic, "results")
-    consumer = make_follower(settings)
+    # From the beginning, a position retention deleted under a slow reader goes on at the
+    # oldest record left (at the end, the records between were skipped without a word)
+    consumer = make_follower(settings, "earliest" if args.from_beginning else "latest")
     printed = 0
     try:
-        await consumer.start()
+        await start_client(consumer, settings)  # (a refused login or TLS is named, not "Unable to bootstrap")
         await assign_all(consumer, topic, 0 if args.from_beginning else None)
         last = time.monotonic()
         out = sys.stdout
         async for records in batches(consumer, follow=topic):
-            if records:
-                last = time.monotonic()
-            elif args.idle_exit is not None and time.monotonic() - last >= args.idle_exit:
-                return 0
             for message in records:
                 key = message.key.decode("utf-8", "replace") if message.key is not None else None
                 if args.request_id is not None and key != args.request_id:
                     continue
+                last = time.monotonic()
                 out.write(record_json(message).decode() + "\n")
                 printed += 1
                 if args.max_records is not None and printed >= args.max_records:
@@ -413,6 +421,8 @@ async def _tail(args: argparse.Namespace) -> int:
                     out.flush()
                     return 0
             out.flush()
+            if args.idle_exit is not None and time.monotonic() - last >= args.idle_exit:
+                return 0  # (other requests' records do not count: on a busy topic it never exited)
         return 0
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)

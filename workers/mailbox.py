@@ -65,6 +65,7 @@ class Mailbox:
         self.keepalive_s = float(keepalive_s) if keepalive_s else None
         self.max_items = max_items
         self.stalled_after_s = STALLED_AFTER_S if stalled_after_s is None else stalled_after_s
+        self.started = False  # `start` was called: the request is sent
         self.overflowed = 0  # items dropped: unread when the bound was reached, and after
         self.received_at = 0.0  # when the item `get` returned last was put (the loop's clock)
         # Called once, when the bound is reached: the reader may be parked for good (an HTTP
@@ -101,6 +102,7 @@ class Mailbox:
 
     def start(self) -> None:
         """Start the clocks (call it once the request is sent)."""
+        self.started = True
         self._last = self._quiet = self._loop.time()
         self._arm()
 

@@ -51,7 +51,7 @@ def render_prompt(tokenizer_dir: str | Path, text: str) -> list[int]:
 def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", request_id: str | None = None,
                  max_tokens: int | None = 16, min_tokens: int = 0, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 stop: str | Sequence[str] = (), stop_token_ids: int | Sequence[int] = (), ignore_eos: bool = False,
                  logprobs: bool | int | None = None, top_logprobs: int | None = None,
                  prompt_logprobs: int | None = None, stream: bool = False, include_usage: bool = False,
                  continuous_usage: bool = False,
@@ -93,17 +93,23 @@ def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", r
         raise ValueError("echo is for completions")
     if prompt_logprobs is not None and prompt_logprobs < 0:
         raise ValueError(f"prompt_logprobs must be >= 0, got {prompt_logprobs}")
+    if deadline_s is not None and not 0 <= deadline_s < 1e9:  # (inf overflowed; NaN is no time)
+        raise ValueError(f"deadline_s must be a number of seconds from 0 to 1e9, got {deadline_s}")
+    # One stop string, or one id, as OpenAI's `stop` takes it: "END" was three stop
+    # strings, E, N and D
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
     # The prompt's candidates: for vLLM's field (top prompt_logprobs) and for echo (the
     # same candidates as the output's); generate computes them once for both.
     wanted = [c for c in (prompt_logprobs, gen_logprobs if echo else None) if c is not None]
     sampling = SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         logprobs=gen_logprobs, prompt_logprobs=max(wanted) if wanted else None)
     output = OutputOptions(
         kind=kind, model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
         top_logprobs=max(k, 0),
-        stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
+        stop=stop, include_stop_str_in_output=include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
         created=int(time.time()) if created is None else created, echo=echo,
         prompt_logprobs=msgspec.UNSET if prompt_logprobs is None else prompt_logprobs)

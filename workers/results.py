@@ -25,6 +25,7 @@ from schemas import (
     header_value,
 )
 from schemas.codec import HEADER_SCHEMA, content_type_of, decode, schema_header
+from schemas.errors import DecodeError
 from schemas.openai import RESULT_TYPES, OpenAIResult, ResultRecord
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ def decode_result(data: bytes, headers: Iterable[tuple[str, bytes]] | None = Non
 
     Raises schemas DecodeError / ValidationError.
     """
+    if data is None:  # (a tombstone: sniffing its content type raised AttributeError)
+        raise DecodeError("a result record without a value")
     headers = list(headers or ())
     content_type = content_type_of(data, headers)
     record_type = _RESULT_TYPES.get(header_value(headers, HEADER_SCHEMA) or "")
@@ -198,8 +201,9 @@ def assemble(items: Sequence[Result]) -> Result:
     last = items[-1]
     if len(items) == 1 and not isinstance(last, ChatCompletionChunk):
         return last
-    if isinstance(last, ErrorResponse):
-        return last
+    error = next((i for i in reversed(items) if isinstance(i, ErrorResponse)), None)
+    if error is not None:  # (an unreadable record among them, not only the last: it crashed below)
+        return error
     first = items[0]
     usage = next((i.usage for i in reversed(items) if getattr(i, "usage", None) is not None), None)
     finish = next((i.choices[0].finish_reason for i in reversed(items)
@@ -266,6 +270,8 @@ def record_json(message, *, include_position: bool = True) -> bytes:
     out: dict[str, Any] = {"key": message.key.decode("utf-8", "replace") if message.key is not None else None,
                            "headers": headers}
     data = message.value
+    position = dict(topic=message.topic, partition=message.partition, offset=message.offset,
+                    timestamp=message.timestamp) if include_position else {}
     try:
         if data is None:
             out["value"] = None
@@ -274,11 +280,12 @@ def record_json(message, *, include_position: bool = True) -> bytes:
             out["value"] = msgspec.Raw(data)
         else:
             out["value"] = msgspec.msgpack.decode(data)
-    except (msgspec.DecodeError, RecordError) as exc:
+        return msgspec.json.encode({**out, **position})
+    except (msgspec.DecodeError, RecordError, TypeError, ValueError, RecursionError) as exc:
+        # Whatever a producer wrote, the DLQ's records above all (msgpack with an
+        # extension value or a map key JSON has not, nesting past the decoder's depth):
+        # the line says so, and the command goes on to the next record (it stopped there)
         out["value"] = None
-        out["value_error"] = str(exc)
+        out["value_error"] = " ".join(str(exc).split()) or type(exc).__name__
         out["value_base64"] = base64.b64encode(data).decode()
-    if include_position:
-        out.update(topic=message.topic, partition=message.partition, offset=message.offset,
-                   timestamp=message.timestamp)
-    return msgspec.json.encode(out)
+        return msgspec.json.encode({**out, **position})

@@ -157,11 +157,12 @@ def _make_certificates(files: SecureFiles) -> None:
         ["x509", "-req", "-in", "broker.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
          "-out", "broker.crt", "-days", "3650", "-extfile", str(san)],
         ["pkcs12", "-export", "-in", "broker.crt", "-inkey", "broker.key", "-certfile", "ca.crt",
-         "-out", "broker.p12.tmp", "-passout", f"pass:{files.store_password}"],
+         "-out", "broker.p12.tmp", "-passout", "env:GENPIPE_KEYSTORE_PASSWORD"],  # (not in the process list)
     ]
     for args in steps:
         try:
-            proc = subprocess.run(["openssl", *args], cwd=d, capture_output=True, text=True)
+            proc = subprocess.run(["openssl", *args], cwd=d, capture_output=True, text=True,
+                                  env={**os.environ, "GENPIPE_KEYSTORE_PASSWORD": files.store_password})
         except FileNotFoundError:
             raise SecureBrokerError("openssl not found on PATH: it makes the broker's certificates "
                                     "(apt-get install openssl)") from None

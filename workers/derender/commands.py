@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from workers.cli_options import add_max_logprobs, at_least
+from workers.cli_options import add_max_logprobs, at_least, stdout_gone
 from workers.derender.stalls import DEFAULT_STALLED_REQUEST_S
 from workers.derender.state import DEFAULT_MODEL_NAME
 from workers.kafka.settings import MAX_RECORD_BYTES
@@ -87,6 +87,12 @@ def run_derender(args: argparse.Namespace) -> int:
         print(f"genpipe derender: cannot load tokenizer {tokenizer}: {exc}", file=sys.stderr)
         return 2
 
+    files = [f for f in (args.input, args.output, args.cancels) if f and f != "-"]
+    for i, one in enumerate(files):  # (--out opened first: the input it named was emptied, and read as empty)
+        if any(_same_file(one, other) for other in files[i + 1:]):
+            print(f"genpipe derender: {one} is given twice (--in, --out, --cancels): writing it would "
+                  f"destroy what is read", file=sys.stderr)
+            return 2
     opened = []
     try:
         try:
@@ -97,8 +103,12 @@ def run_derender(args: argparse.Namespace) -> int:
             print(f"genpipe derender: {exc}", file=sys.stderr)
             return 2
         name = "stdin" if args.input == "-" else args.input
-        summary = run(derenderer, source, sink, cancels=cancels, source=name, max_record_bytes=args.max_record_bytes)
-        sink.flush()
+        try:
+            summary = run(derenderer, source, sink, cancels=cancels, source=name,
+                          max_record_bytes=args.max_record_bytes)
+            sink.flush()
+        except BrokenPipeError:
+            return stdout_gone()
     finally:
         for f in opened:
             f.close()
@@ -106,6 +116,13 @@ def run_derender(args: argparse.Namespace) -> int:
           f"{summary.cancels} cancels, {summary.bad_lines} bad lines, "
           f"{summary.unfinished} unfinished requests", file=sys.stderr)
     return 1 if summary.bad_lines else 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one does not exist yet: not the same)
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _open(path: str, mode: str, opened: list):

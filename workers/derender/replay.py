@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections import Counter
@@ -82,7 +83,10 @@ def parse_start(value: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"--from must be an offset or an ISO time such as 2025-01-31T12:00:00Z, "
                          f"got {value!r}") from None
-    return "time", int(when.timestamp() * 1000)  # a time without offset is local time
+    epoch_ms = int(when.timestamp() * 1000)  # a time without offset is local time
+    if epoch_ms < 0:  # (Kafka's time lookup raised on it: a traceback)
+        raise ValueError(f"--from time must be 1970 or later, got {value!r}")
+    return "time", epoch_ms
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -113,17 +117,27 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"genpipe replay: cannot load tokenizer {tokenizer}: {one_line(exc)}", file=sys.stderr)
         return 2
     quiet_kafka_logs()
-    sink = None
+    sink = partial = None
     try:
-        if args.out is not None:
-            sink = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
+        if args.out == "-":
+            sink = sys.stdout.buffer
+        elif args.out is not None:
+            # Written beside it, then renamed: opened in place, a replay that failed (a
+            # broker away) had already emptied the previous run's file
+            sink = open(f"{args.out}.partial-{os.getpid()}", "wb")
+            partial = sink.name
         summary = asyncio.run(replay(args, derenderer, start, sink))
+        if partial is not None:
+            sink.close()
+            os.replace(partial, args.out)
+            partial = None
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe replay: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
-        if sink is not None and args.out != "-":
+        if partial is not None:
             sink.close()
+            os.unlink(partial)
     print(f"genpipe replay: {summary['chunks']} chunks from {summary['partitions']} partition(s) -> "
           f"{summary['results']} results to {summary['target']}; {summary['skipped_requests']} partial "
           f"request(s) skipped, {summary['undecodable']} undecodable chunk(s), "
@@ -141,7 +155,8 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
     from workers.derender.stalls import StalledRequests
     from workers.derender.state import Result
     from workers.derender.undeliverable import within_record_limit
-    from workers.kafka.clients import make_consumer, make_producer, start_client
+    from workers.client import _stop as stop_consumer
+    from workers.kafka.clients import make_consumer, make_producer, start_client, stop_producer
     from workers.kafka.follow import assign_range, batches
     from workers.kafka.publisher import Publisher, request_size_for
     from workers.kafka.records import Outgoing, decode_message
@@ -188,6 +203,8 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                 summary["chunks"] += 1
                 rid = chunk.request_id
                 outputs = []
+                if chunk.seq == 0:
+                    skipped.discard(rid)  # a new attempt, in range: rebuilt whole (its old one was not)
                 if rid in skipped:
                     pass
                 elif chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
@@ -223,7 +240,13 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                     future.add_done_callback(lambda f, n=count: failures.extend([f.exception()] * n)
                                              if not f.cancelled() and f.exception() else None)
         if publisher is not None:
-            await publisher.flush()
+            # Bounded: the producer keeps batches until sent, and with the target's leader
+            # away the flush (and the stop after it) never ended, the error never said
+            try:
+                await asyncio.wait_for(publisher.flush(), STALL_S)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"results not acknowledged within {STALL_S:g} s by {args.to_topic} (is the "
+                                   f"broker reachable? does every partition of it have a leader?)") from None
             if failures:
                 raise RuntimeError(f"{len(failures)} result(s) could not be published: {failures[0]}")
         elif sink is not None:
@@ -232,6 +255,6 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
         summary["unfinished"] = len(derenderer.active_requests())
         return summary
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
         if producer is not None:
-            await producer.stop()
+            await stop_producer(producer, 10.0, "genpipe replay")

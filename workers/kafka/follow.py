@@ -102,10 +102,11 @@ async def assign_range(consumer, topic: str, start: tuple[str, int], end: int | 
     return active
 
 
-def make_follower(settings: KafkaSettings):
+def make_follower(settings: KafkaSettings, reset: str = "latest"):
     """A consumer for `assign_all` and `batches`: no group (its topic's metadata is looked
-    up every `METADATA_MAX_AGE_MS`, so that `NewPartitions` finds what it gains)."""
-    return make_consumer(settings, group_id=None, auto_offset_reset="latest")
+    up every `METADATA_MAX_AGE_MS`, so that `NewPartitions` finds what it gains). `reset`:
+    where it goes when its position is no longer in the log (retention deleted it)."""
+    return make_consumer(settings, group_id=None, auto_offset_reset=reset)
 
 
 class NewPartitions:
