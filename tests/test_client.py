@@ -376,17 +376,19 @@ async def test_replay_rebuilds_a_request_restarted_inside_its_range(kafka_settin
                                                                     tmp_path, capsys):
     """The range starts inside an attempt (its seq 0 before it: that attempt cannot be
     rebuilt) and holds the whole of the request's next attempt, restarted on another
-    worker. The next attempt was skipped too, as the request was; its result is there."""
+    worker, with a straggler of the old attempt after the new one's start. The next
+    attempt was skipped too, as the request was; its result is there, and the straggler
+    is not a "seq gap" error in its place."""
     from tests.derender_support import make_chunks
     from workers.kafka.clients import make_producer
 
     await make_topics(kafka_settings, partitions=1)
-    old = make_chunks("restarted", [40, 41, 42], attempt="old", finish_reason=None)
+    old = make_chunks("restarted", [40, 41, 42, 45], attempt="old", finish_reason=None)
     new = make_chunks("restarted", [43, 44], attempt="new", output=OutputOptions(kind="completion"))
     producer = make_producer(kafka_settings)
     await producer.start()
     try:
-        for chunk in [old[0], *old[1:], *new]:
+        for chunk in [*old[:3], new[0], old[3], new[1]]:
             await producer.send_and_wait(kafka_settings.topic("chunks"), encode(chunk), key=b"restarted",
                                          headers=list(headers_for(chunk)), partition=0)
     finally:
@@ -399,6 +401,7 @@ async def test_replay_rebuilds_a_request_restarted_inside_its_range(kafka_settin
     (line,) = [json.loads(l) for l in out.read_text().splitlines()]
     assert line["key"] == "restarted" and line["headers"]["genpipe-attempt"] == "new"
     assert line["value"]["choices"][0]["finish_reason"] == "length"
+    assert "0 partial request(s) skipped" in err
 
 
 async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_settings, make_topics):

@@ -139,14 +139,38 @@ def test_a_result_over_the_record_limit_becomes_the_worker_s_error(tmp_path, cap
     assert "result too large" in error["value"]["error"]["message"] and error["headers"]["genpipe-final"] == "1"
 
 
+def test_file_mode_says_how_many_lines_its_log_held_back(tmp_path, caplog):
+    """A client's requests answered with an error go through a digest (the first 10 of
+    every 10 s in full, then a count): file mode never said the count, 25 such requests
+    made 10 lines and nothing more."""
+    tables = tables_for("spm")
+    ids = encode_ids(tables, " hello world") * 30
+    lines = []
+    for n in range(25):
+        (big,) = make_chunks(f"big-{n}", ids, [len(ids)], output=OutputOptions(kind="completion", top_logprobs=3),
+                             positions=[position(i, [i, 5, 6, 7]) for i in ids])
+        lines.append(json.dumps({"key": big.request_id, "value": json.loads(encode(big, JSON))}))
+    src = tmp_path / "chunks.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert cli.main(["derender", "--in", str(src), "--out", str(tmp_path / "r.jsonl"), "--tokenizer",
+                     str(tokenizer_dir("spm")), "--max-record-bytes", "2000"]) == 0
+    said = [r.getMessage() for r in caplog.records if "result too large" in r.getMessage()]
+    assert len(said) == 11 and said[-1].startswith("15 more requests answered with an error in the last ")
+
+
 def test_a_file_given_as_both_input_and_output_is_refused_untouched(tmp_path, capsys):
     """`--in F --out F` opened the output first: the input was emptied, read as empty,
     and the run said "0 chunks -> 0 results" with exit 0 (the chunks were lost)."""
     src = tmp_path / "chunks.jsonl"
     src.write_text("\n".join(chunk_lines()) + "\n")
     before = src.read_bytes()
-    for argv in (["--out", str(src)], ["--out", str(tmp_path / "r.jsonl"), "--cancels", str(tmp_path / "r.jsonl")],
-                 ["--out", str(tmp_path / "." / "chunks.jsonl")]):
+    for argv, said in ((["--out", str(src)], "--in and --out name the same file"),
+                       (["--out", str(tmp_path / "r.jsonl"), "--cancels", str(tmp_path / "r.jsonl")],
+                        "--out and --cancels name the same file"),
+                       (["--out", str(tmp_path / "." / "chunks.jsonl")], "--in and --out name the same file")):
         rc = cli.main(["derender", "--in", str(src), "--tokenizer", str(tokenizer_dir("spm")), *argv])
-        assert rc == 2 and "is given twice (--in, --out, --cancels)" in capsys.readouterr().err
+        assert rc == 2 and said in capsys.readouterr().err
     assert src.read_bytes() == before and not (tmp_path / "r.jsonl").exists()
+    # a device may be named twice
+    assert cli.main(["derender", "--in", str(src), "--tokenizer", str(tokenizer_dir("spm")), "--out", "/dev/null",
+                     "--cancels", "/dev/null"]) == 0

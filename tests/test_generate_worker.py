@@ -313,7 +313,8 @@ async def test_chunks_the_broker_refuses_for_good_end_their_requests_with_an_err
                             sampling=SamplingParams(max_tokens=1, prompt_logprobs=5))
     running = GenerateRequest(request_id="refused-running", prompt_token_ids=prompt,
                               sampling=SamplingParams(max_tokens=None, ignore_eos=True, prompt_logprobs=5))
-    after = GenerateRequest(request_id="after", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    after = GenerateRequest(request_id="after", prompt_token_ids=[1, 5, 6],
+                            sampling=SamplingParams(max_tokens=3, ignore_eos=True))  # (sampled: EOS may come first)
     group = f"{kafka_settings.topic_prefix}-gen"
     stop, task = await start_worker(kafka_settings, engine, min_step_s=0.01)
     try:
@@ -350,7 +351,8 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
     bad_rule = GenerateRequest(request_id="bad-logprobs", prompt_token_ids=[1, 2],
                                sampling=SamplingParams(logprobs=22))  # a completion may ask 20 + 1
     bad_vocab = GenerateRequest(request_id="bad-vocab", prompt_token_ids=[1, 10**6])
-    good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3, temperature=0))
+    good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6],
+                           sampling=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     mistyped = b'{"request_id": "bad-type", "prompt_token_ids": "1 2 3"}'
     stop, task = await start_worker(kafka_settings, engine)
     try:

@@ -156,7 +156,8 @@ class GenpipeClient:
         (unless `cancel_on_abandon=False`), as a reader that gives up cancels its own: their
         readers then raise, with the producer gone, and the requests ran on for nobody."""
         if self.cancel_on_abandon and self._producer is not None:
-            waiting = [rid for rid, mailbox in self._waiting.items() if mailbox.started and not mailbox.overflowed]
+            waiting = [rid for rid, mailbox in self._waiting.items()
+                       if mailbox.started and not mailbox.answered and not mailbox.overflowed]
             if waiting:
                 try:
                     await asyncio.wait_for(asyncio.gather(*(self.cancel(rid, "the client closed") for rid in waiting),
@@ -313,7 +314,7 @@ class GenpipeClient:
                 if item is None:
                     continue
                 if item.final:
-                    finished = True
+                    finished = mailbox.answered = True
                 yield item
                 if finished:
                     return

@@ -52,7 +52,7 @@ class Mailbox:
     the request itself (its records are as many as its chunks)."""
 
     __slots__ = ("_items", "_waiter", "_loop", "_timer", "_last", "_quiet", "timeout_s", "keepalive_s",
-                 "max_items", "stalled_after_s", "overflowed", "received_at", "on_overflow")
+                 "max_items", "stalled_after_s", "overflowed", "received_at", "on_overflow", "started", "answered")
 
     def __init__(self, timeout_s: float, keepalive_s: float | None = None, max_items: int | None = None,
                  on_overflow=None, stalled_after_s: float | None = None):
@@ -66,6 +66,7 @@ class Mailbox:
         self.max_items = max_items
         self.stalled_after_s = STALLED_AFTER_S if stalled_after_s is None else stalled_after_s
         self.started = False  # `start` was called: the request is sent
+        self.answered = False  # its reader took the final record (the request needs no cancel)
         self.overflowed = 0  # items dropped: unread when the bound was reached, and after
         self.received_at = 0.0  # when the item `get` returned last was put (the loop's clock)
         # Called once, when the bound is reached: the reader may be parked for good (an HTTP

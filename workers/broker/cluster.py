@@ -86,7 +86,6 @@ def cluster_up(brokers: int = 3, port: int = local.DEFAULT_PORT, data_dir: str |
         raise local.BrokerError(f"{brokers} brokers take ports {port}..{port + 2 * brokers - 1}, past 65535: "
                                 "choose a lower --port")
     cluster = cluster_nodes(brokers, port, data_dir)
-    libs = local.ensure_jars(quiet=quiet)
     id_file = cluster.nodes[0].data_dir.parent / "cluster.id"
     id_file.parent.mkdir(parents=True, exist_ok=True)
     if not id_file.exists():
@@ -98,6 +97,7 @@ def cluster_up(brokers: int = 3, port: int = local.DEFAULT_PORT, data_dir: str |
             for p in (node.port, node.controller_port):
                 if local._port_open(p):
                     raise local.BrokerError(f"{HOST}:{p} (node {node.node_id}) is in use by something else")
+    libs = local.ensure_jars(quiet=quiet)  # (after the ports: a port taken says so at once)
     started = []
     try:
         for node in cluster.nodes:

@@ -325,6 +325,9 @@ def broker_up(port: int = DEFAULT_PORT, controller_port: int | None = None,
 def _broker_up(port: int, controller_port: int | None, data_dir: Path, timeout: float, quiet: bool,
                secure: bool) -> BrokerInfo:
     controller_port = controller_port or port + 1
+    for what, number in (("controller port", controller_port), ("internal SASL port (PORT+2)", port + 2)):
+        if number > 65535 and (secure or what == "controller port"):
+            raise BrokerError(f"the {what} would be {number}, past 65535: choose a lower --port")
     log_file = data_dir / "broker.log"
     bootstrap = f"{HOST}:{port}"
     files = probe = None
@@ -384,7 +387,9 @@ def launch(libs: Path, data_dir: Path) -> subprocess.Popen:
             # Own session: Ctrl-C in the terminal or the CLI exiting leaves it running.
             start_new_session=True)
     _CHILDREN[proc.pid] = proc
-    (data_dir / "broker.pid").write_text(f"{proc.pid}\n")
+    # Whole or not at all: a reader finding it empty mid-write took it for garbage
+    (data_dir / "broker.pid.tmp").write_text(f"{proc.pid}\n")
+    (data_dir / "broker.pid.tmp").replace(data_dir / "broker.pid")
     return proc
 
 

@@ -87,12 +87,14 @@ def run_derender(args: argparse.Namespace) -> int:
         print(f"genpipe derender: cannot load tokenizer {tokenizer}: {exc}", file=sys.stderr)
         return 2
 
-    files = [f for f in (args.input, args.output, args.cancels) if f and f != "-"]
-    for i, one in enumerate(files):  # (--out opened first: the input it named was emptied, and read as empty)
-        if any(_same_file(one, other) for other in files[i + 1:]):
-            print(f"genpipe derender: {one} is given twice (--in, --out, --cancels): writing it would "
-                  f"destroy what is read", file=sys.stderr)
-            return 2
+    named = [(flag, path) for flag, path in (("--in", args.input), ("--out", args.output),
+                                             ("--cancels", args.cancels)) if path and path != "-"]
+    for i, (flag, path) in enumerate(named):  # (--in F --out F: F was emptied, then read as empty)
+        for other, other_path in named[i + 1:]:
+            if _same_file(path, other_path):
+                what = "writing it would destroy what is read" if flag == "--in" else "one would overwrite the other"
+                print(f"genpipe derender: {flag} and {other} name the same file, {path}: {what}", file=sys.stderr)
+                return 2
     opened = []
     try:
         try:
@@ -119,10 +121,11 @@ def run_derender(args: argparse.Namespace) -> int:
 
 
 def _same_file(a: str, b: str) -> bool:
+    """The same regular file (or one not made yet): a device such as /dev/null may be both."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:  # (one does not exist yet: not the same)
-        return os.path.abspath(a) == os.path.abspath(b)
+        return os.path.samefile(a, b) and os.path.isfile(a)
+    except OSError:  # (one does not exist yet)
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _open(path: str, mode: str, opened: list):

@@ -100,6 +100,7 @@ def run(derenderer: Derenderer, lines: Iterable[bytes], out: IO[bytes], *,
                 if cancels is not None:
                     cancels.write(cancel_line(output))
     summary.unfinished = len(derenderer.active_requests())
+    derenderer.flush_logs()
     return summary
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import time
 from collections import Counter
 
-from workers.cli_options import quiet_kafka_logs, resolve_topic, topic_arg
+from workers.cli_options import quiet_kafka_logs, resolve_topic, stdout_gone, topic_arg
 from workers.derender.chunk_rules import unanswerable_id
 from workers.derender.commands import add_derender_options, add_stalled_request_option
 from workers.kafka.settings import KafkaSettings
@@ -119,18 +120,26 @@ def run_replay(args: argparse.Namespace) -> int:
     quiet_kafka_logs()
     sink = partial = None
     try:
+        target = os.path.realpath(args.out) if args.out not in (None, "-") else None
         if args.out == "-":
             sink = sys.stdout.buffer
-        elif args.out is not None:
-            # Written beside it, then renamed: opened in place, a replay that failed (a
-            # broker away) had already emptied the previous run's file
-            sink = open(f"{args.out}.partial-{os.getpid()}", "wb")
+        elif target is not None and os.path.exists(target) and not os.path.isfile(target):
+            # a pipe, a device, /dev/stdout: written as it is
+            sink = open(target, "wb")
+        elif target is not None:
+            # A file is written beside it, then renamed: opened in place, a replay that
+            # failed (a broker away) had already emptied the previous run's file
+            sink = open(f"{target}.partial-{os.getpid()}", "wb")
             partial = sink.name
+            if os.path.exists(target):
+                shutil.copymode(target, partial)
         summary = asyncio.run(replay(args, derenderer, start, sink))
         if partial is not None:
             sink.close()
-            os.replace(partial, args.out)
+            os.replace(partial, target)
             partial = None
+    except BrokenPipeError:
+        return stdout_gone()
     except (KafkaError, RuntimeError, OSError) as exc:
         print(f"genpipe replay: {one_line(exc)}", file=sys.stderr)
         return 1
@@ -138,6 +147,8 @@ def run_replay(args: argparse.Namespace) -> int:
         if partial is not None:
             sink.close()
             os.unlink(partial)
+        elif sink is not None and args.out != "-":
+            sink.close()
     print(f"genpipe replay: {summary['chunks']} chunks from {summary['partitions']} partition(s) -> "
           f"{summary['results']} results to {summary['target']}; {summary['skipped_requests']} partial "
           f"request(s) skipped, {summary['undecodable']} undecodable chunk(s), "
@@ -178,7 +189,10 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
             producer = make_producer(settings, max_request_size=request_size_for(args.max_record_bytes))
             await start_client(producer, settings)
             publisher = Publisher(producer, settings.topic("dlq"), args.max_record_bytes)
-        skipped: set[str] = set()
+        # request id -> its attempts that began before the range (not rebuilt); a later
+        # attempt of it, whole in the range, is, and the skipped ones' chunks are dropped
+        # (a straggler after the new attempt's seq 0 was a "seq gap" error in its place)
+        skipped: dict[str, set[str]] = {}
         stalls = StalledRequests(args.stalled_request_s) if args.stalled_request_s > 0 else None
         failures: list = []
         last_progress = time.monotonic()
@@ -203,12 +217,10 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                 summary["chunks"] += 1
                 rid = chunk.request_id
                 outputs = []
-                if chunk.seq == 0:
-                    skipped.discard(rid)  # a new attempt, in range: rebuilt whole (its old one was not)
-                if rid in skipped:
+                if chunk.attempt in skipped.get(rid, ()):
                     pass
                 elif chunk.seq != 0 and not (derenderer.is_active(rid) or derenderer.is_finished(rid)):
-                    skipped.add(rid)  # began before the range: cannot be rebuilt
+                    skipped.setdefault(rid, set()).add(chunk.attempt)  # began before the range: cannot be rebuilt
                 else:
                     outputs = derenderer.process(chunk)
                 if stalls is not None:  # the requests the worker ended at this chunk, as it did (first)
@@ -251,10 +263,12 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
                 raise RuntimeError(f"{len(failures)} result(s) could not be published: {failures[0]}")
         elif sink is not None:
             sink.flush()
-        summary["skipped_requests"] = len(skipped)
+        summary["skipped_requests"] = sum(not (derenderer.is_active(rid) or derenderer.is_finished(rid))
+                                          for rid in skipped)  # (one restarted in range was rebuilt)
         summary["unfinished"] = len(derenderer.active_requests())
         return summary
     finally:
+        derenderer.flush_logs()
         await stop_consumer(consumer)
         if producer is not None:
             await stop_producer(producer, 10.0, "genpipe replay")

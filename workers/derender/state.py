@@ -163,6 +163,11 @@ class Derenderer:
         # result too large): a client's requests can come in a flood, one line each
         self.answered_with_errors = LogDigest(log, logging.WARNING, "requests answered with an error")
 
+    def flush_logs(self) -> None:
+        """Say how many lines the digests held back (a worker's shutdown, a replay's end)."""
+        self.render_failures.flush()
+        self.answered_with_errors.flush()
+
     # --- what the Kafka layer needs --------------------------------------------------
     def active_requests(self) -> list[str]:
         """Ids of requests started but not finished (their first offsets pin commits)."""

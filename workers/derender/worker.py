@@ -418,7 +418,6 @@ class DerenderHandler(Handler):
         return self.publisher.in_flight > 10_000  # the producer is far behind: stop fetching
 
     async def drain(self, deadline: float) -> None:
-        self.derenderer.render_failures.flush()
-        self.derenderer.answered_with_errors.flush()
+        self.derenderer.flush_logs()
         self._stalled_log.flush()
         await self.publisher.flush_at_shutdown([asyncio.ensure_future(self._publish_pending())])

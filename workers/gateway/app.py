@@ -360,9 +360,9 @@ class Gateway:
         if self._health is None or (self._health.done() and loop.time() - self._health_at >= HEALTH_REUSE_S):
             # One look at the groups answers every call for a while: each call opened an
             # admin client (a connection, TLS and a login), and /health takes no credentials
-            self._health_at = loop.time()
             self._health = asyncio.ensure_future(asyncio.wait_for(
                 missing_workers(self.settings, self.config.worker_groups, raise_errors=True), 10))
+            self._health.add_done_callback(lambda _: setattr(self, "_health_at", loop.time()))  # (from its answer)
         try:
             missing = await asyncio.shield(self._health)  # (a caller that goes away leaves it to the others)
         except Exception as exc:  # Kafka unreachable: nothing can be served

@@ -181,7 +181,7 @@ class GenerateHandler(Handler):
             try:
                 self.engine.add(state.request, validated=True)  # by `handle`
             except ValidationError as exc:  # e.g. the id is still ending in the engine
-                series(REQUESTS, W, "invalid").inc()
+                series(REQUESTS, W, "error").inc()  # (counted "accepted" on its way in: this is how it ends)
                 series(ERRORS, W).inc()
                 refused.append((state, Final("error", ChunkError(message=str(exc)))))
                 continue
