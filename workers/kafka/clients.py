@@ -19,11 +19,30 @@ import logging
 import math
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import client as _aiokafka_client
+from aiokafka.admin import client as _aiokafka_admin_client
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka import errors as Errors
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 
 from workers.kafka.settings import KafkaSettings
+
+
+class _MetadataRequestNoAutoCreate(_aiokafka_client.MetadataRequest):
+    """A metadata request that never asks the broker to create the topics it names.
+
+    aiokafka's asks to (`allow_auto_topic_creation`: True), and a broker with Kafka's
+    default `auto.create.topics.enable=true` then made any topic a client looked up: `genpipe
+    tail --topic resutls`, a reply topic a client had not created yet, made them with the
+    broker's default partitions and waited on them, where "does not exist (create it with
+    `genpipe topics create`)" was meant (what every test broker, made without
+    auto-creation, says). Topics are genpipe's to create, with their partitions."""
+
+    def __init__(self, topics=None, allow_auto_topic_creation: bool = False):
+        super().__init__(topics, allow_auto_topic_creation)
+
+
+_aiokafka_client.MetadataRequest = _aiokafka_admin_client.MetadataRequest = _MetadataRequestNoAutoCreate
 
 
 # The largest batch of records the producer builds for a partition (a larger record goes in
