@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from aiokafka import TopicPartition
@@ -17,7 +20,7 @@ from tests.cluster_helpers import (Pipeline, assert_uninterrupted, controller_id
                                    partition_leaders, requests_for, stream, wait_for_leaders)
 from tests.kafka_helpers import read_topic, wait_for
 from tests.process_helpers import uninterrupted_texts
-from workers.broker.cluster import cluster_down, cluster_up, node_down, node_up
+from workers.broker.cluster import cluster_up, node_down, node_up
 from workers.broker.topics import create_topics
 from workers.client import GenpipeClient
 from workers.kafka.clients import make_admin, make_producer
@@ -41,9 +44,13 @@ def cluster(tmp_path_factory):
     try:
         yield cluster
     finally:
-        # (--brokers 1 for a cluster of three: down stops every node its data dir has; it
-        # stopped node 1 alone and left two JVMs running)
-        cluster_down(1, PORT, data_dir)
+        # A plain `broker down` (no --brokers) stops every node of the cluster's data dir: it
+        # looked for a single broker and said there was none (with --brokers 1 it stopped
+        # node 1 alone), and the JVMs ran on
+        down = subprocess.run([sys.executable, "-m", "workers.cli", "broker", "down", "--port", str(PORT),
+                               "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=180,
+                              cwd=Path(__file__).resolve().parents[1])
+    assert down.returncode == 0 and "stopped nodes [1, 2, 3]" in down.stdout, (down.stdout, down.stderr)
     assert [node.node_id for node in cluster.nodes if node.pid() is not None] == []
 
 

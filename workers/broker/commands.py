@@ -162,9 +162,14 @@ def _secure_up(args: argparse.Namespace, info) -> int:
 
 
 def _broker_down(args: argparse.Namespace) -> int:
-    from workers.broker.local import broker_down
+    from workers.broker.cluster import cluster_nodes
+    from workers.broker.local import broker_down, default_data_dir
 
-    if args.brokers > 1:
+    cluster_root = cluster_nodes(1, args.port, args.data_dir).nodes[0].data_dir.parent
+    if args.brokers > 1 or (not args.secure and not (default_data_dir(args.port, args.data_dir) / "broker.pid").exists()
+                            and any(cluster_root.glob("node-*/broker.pid"))):
+        # (a cluster `up --brokers N` started: a plain `down` looked for a single broker and
+        # said there was none, the cluster left running)
         return _cluster_action(args, "down")
     try:
         print(broker_down(port=args.port, data_dir=args.data_dir, secure=args.secure))
