@@ -398,6 +398,7 @@ async def test_completions_and_chat_over_http_streamed_and_not(kafka_settings, m
             assert (await http.post("/v1/completions", content=b"{not json")).status_code == 400
             models = (await http.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == ["tiny"]
+            assert models["data"][0]["root"] == "tiny" and models["data"][0]["permission"] == []  # (vLLM's card)
             health = await http.get("/health")
             assert health.status_code == 200, health.text
         assert gateway.in_flight == 0

@@ -348,7 +348,9 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         return Response(_json.encode({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": int(time.time()), "owned_by": "genpipe",
-            "max_model_len": self.max_model_len}]}), media_type="application/json")
+            # vLLM's model card's fields, which tools built on it read
+            "root": self.config.model_name, "parent": None, "max_model_len": self.max_model_len,
+            "permission": []}]}), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         from workers.kafka.groups import missing_workers
