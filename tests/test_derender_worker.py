@@ -299,6 +299,15 @@ async def _handler_with_producer(settings, tokenizer_dir, **options):
     return producer, handler
 
 
+async def _hand_over(handler, tp: TopicPartition, offset: int, chunk) -> None:
+    """The chunk at `offset` to the handler, as the consumer loop hands a record over."""
+    from aiokafka.structs import ConsumerRecord
+
+    handler.offsets.tracker(tp).seen(offset)
+    await handler.handle(ConsumerRecord(tp.topic, 0, offset, 0, 0, chunk.request_id.encode(), encode(chunk),
+                                        None, 0, 0, list(headers_for(chunk))))
+
+
 async def test_a_request_answered_by_one_chunk_is_not_committed_past_before_its_result_is_acknowledged(
         kafka_settings, make_topics, tiny_model_dir):
     """A request that starts and ends in one chunk (an error, max_tokens 1) took no hold:
@@ -338,7 +347,7 @@ async def test_a_request_finished_but_not_acknowledged_at_a_revoke_is_answered_a
     shutdown). Now it answers it again, and the commit waits for that answer. The
     answers are the real producer's; those to the reply topic reach the handler once
     the test lets them (a broker of one cannot hold an acknowledgement back)."""
-    from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+    from aiokafka.structs import OffsetAndMetadata
 
     from tests.kafka_helpers import create_topic, wait_for
 
@@ -360,10 +369,7 @@ async def test_a_request_finished_but_not_acknowledged_at_a_revoke_is_answered_a
     log = [log[0], log[2], log[1]]  # "open" starts, "done" starts and ends, "open" ends
 
     async def read(offset: int) -> None:
-        handler.offsets.tracker(tp).seen(offset)  # as the loop does before it hands a record over
-        chunk = log[offset]
-        await handler.handle(ConsumerRecord(tp.topic, 0, offset, 0, 0, chunk.request_id.encode(), encode(chunk),
-                                            None, 0, 0, list(headers_for(chunk))))
+        await _hand_over(handler, tp, offset, log[offset])
     try:
         await handler.on_assigned([tp], {})
         await read(0)
@@ -400,7 +406,7 @@ async def test_a_revoke_while_the_producer_takes_no_results_gives_the_partitions
     with it. Now the revoke waits REBALANCE_WAIT_S (0.5 s here) and goes on; the commit
     stays below the result, which goes out later, before the results handled after it.
     The hand-over is the real producer's, held until the test lets it."""
-    from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+    from aiokafka.structs import OffsetAndMetadata
 
     from tests.kafka_helpers import wait_for
 
@@ -419,10 +425,7 @@ async def test_a_revoke_while_the_producer_takes_no_results_gives_the_partitions
            *make_chunks("second", [6], output=OutputOptions(kind="completion"))]
 
     async def read(offset: int) -> None:
-        handler.offsets.tracker(tp).seen(offset)  # as the loop does before it hands a record over
-        chunk = log[offset]
-        await handler.handle(ConsumerRecord(tp.topic, 0, offset, 0, 0, chunk.request_id.encode(), encode(chunk),
-                                            None, 0, 0, list(headers_for(chunk))))
+        await _hand_over(handler, tp, offset, log[offset])
     try:
         await handler.on_assigned([tp], {})
         await read(0)
