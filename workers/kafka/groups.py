@@ -26,7 +26,8 @@ if getattr(_protocol, "DescribeGroupsResponse_v3", None) is not None and \
 
 async def group_members(settings: KafkaSettings, group_ids: list[str], timeout_s: float = 10.0) -> dict[str, int]:
     """Live members of each group (0 for a group that is empty or does not exist, -1 for
-    one this client may not describe). Raises KafkaError / asyncio.TimeoutError when the broker cannot say."""
+    one this client may not describe). Raises KafkaError / asyncio.TimeoutError when the
+    broker cannot say."""
     return {g: n for g, (_, n) in (await group_states(settings, group_ids, timeout_s)).items()}
 
 
