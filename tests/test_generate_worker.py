@@ -354,6 +354,11 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
     good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6],
                            sampling=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     mistyped = b'{"request_id": "bad-type", "prompt_token_ids": "1 2 3"}'
+    from workers.metrics import REQUESTS
+
+    def counted() -> dict[str, float]:
+        return {o: REQUESTS.labels(worker="generate", outcome=o)._value.get() for o in ("accepted", "invalid")}
+    before = counted()
     stop, task = await start_worker(kafka_settings, engine)
     try:
         await produce(kafka_settings, [
@@ -376,6 +381,9 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
         assert message in chunk.error.message
     assert chunks["good"][-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks["good"]) == 3
+    # each request counted once, on its way in (an invalid one was counted accepted too)
+    after = counted()
+    assert {o: after[o] - before[o] for o in after} == {"accepted": 1, "invalid": 3}
     assert dlq[0].value == b"\xc1\xc1 not a record" and dict(dlq[0].headers)[HEADER_DLQ_OFFSET] == b"2"
 
 
