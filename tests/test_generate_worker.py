@@ -162,6 +162,14 @@ async def test_the_chunk_rate_aim_never_holds_a_request_s_first_token(kafka_sett
     assert REGISTRY.get_sample_value("genpipe_chunk_stretch", {"worker": "generate"}) == 1.0  # never behind
 
 
+def requests_counted() -> dict[str, float]:
+    """genpipe_requests_total of this process's generate workers, on the way in (compare deltas)."""
+    from prometheus_client import REGISTRY
+
+    return {outcome: REGISTRY.get_sample_value("genpipe_requests_total", {"worker": "generate", "outcome": outcome})
+            or 0.0 for outcome in ("accepted", "invalid")}
+
+
 def hold_histogram() -> tuple[float, float, float]:
     """genpipe_chunk_hold_seconds of the generate worker(s) of this process: the count and
     the observations of at most 0.1 and 0.2 s (a process-wide metric: compare deltas)."""
@@ -354,11 +362,7 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
     good = GenerateRequest(request_id="good", prompt_token_ids=[1, 5, 6],
                            sampling=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     mistyped = b'{"request_id": "bad-type", "prompt_token_ids": "1 2 3"}'
-    from workers.metrics import REQUESTS
-
-    def counted() -> dict[str, float]:
-        return {o: REQUESTS.labels(worker="generate", outcome=o)._value.get() for o in ("accepted", "invalid")}
-    before = counted()
+    before = requests_counted()
     stop, task = await start_worker(kafka_settings, engine)
     try:
         await produce(kafka_settings, [
@@ -382,7 +386,7 @@ async def test_invalid_request_gets_an_error_chunk_and_the_next_one_still_runs(k
     assert chunks["good"][-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks["good"]) == 3
     # each request counted once, on its way in (an invalid one was counted accepted too)
-    after = counted()
+    after = requests_counted()
     assert {o: after[o] - before[o] for o in after} == {"accepted": 1, "invalid": 3}
     assert dlq[0].value == b"\xc1\xc1 not a record" and dict(dlq[0].headers)[HEADER_DLQ_OFFSET] == b"2"
 
