@@ -171,15 +171,15 @@ class GenpipeClient:
             await asyncio.gather(dispatcher, return_exceptions=True)
         self._fail_waiting(None)
         self._cancels_failed.flush()
+        from workers.kafka.clients import stop_consumer, stop_producer
+
         producer, consumer = self._producer, self._consumer
         self._producer = self._consumer = None
         try:
             if consumer is not None:
-                await _stop(consumer)
+                await stop_consumer(consumer, "genpipe client")
         finally:
             if producer is not None:
-                from workers.kafka.clients import stop_producer
-
                 await stop_producer(producer, CLOSE_WAIT_S, "genpipe client")
 
     @property
@@ -424,18 +424,6 @@ class GenpipeClient:
                 else:
                     items.append(item)
         return assemble(items)
-
-
-async def _stop(kafka_client) -> None:
-    """Stop an aiokafka client. With the broker gone, aiokafka 0.14's consumer re-raises the
-    cancellation of its own fetch task from stop(); that one is not ours to pass on."""
-    try:
-        await kafka_client.stop()
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        log.warning("genpipe client: %s stopped with its broker unreachable", type(kafka_client).__name__)
 
 
 def _error_info(message: str) -> ErrorInfo:

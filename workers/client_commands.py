@@ -390,8 +390,8 @@ async def _tail(args: argparse.Namespace) -> int:
 
     from schemas import header_value
     from schemas.headers import HEADER_FINAL
-    from workers.client import _stop as stop_consumer, record_json
-    from workers.kafka.clients import start_client
+    from workers.client import record_json
+    from workers.kafka.clients import start_client, stop_consumer
     from workers.kafka.follow import assign_all, batches, make_follower
     from workers.kafka.settings import KafkaSettings
 
@@ -425,4 +425,4 @@ async def _tail(args: argparse.Namespace) -> int:
                 return 0  # (other requests' records do not count: on a busy topic it never exited)
         return 0
     finally:
-        await stop_consumer(consumer)
+        await stop_consumer(consumer, "genpipe tail")

@@ -166,8 +166,7 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
     from workers.derender.stalls import StalledRequests
     from workers.derender.state import Result
     from workers.derender.undeliverable import within_record_limit
-    from workers.client import _stop as stop_consumer
-    from workers.kafka.clients import make_consumer, make_producer, start_client, stop_producer
+    from workers.kafka.clients import make_consumer, make_producer, start_client, stop_consumer, stop_producer
     from workers.kafka.follow import assign_range, batches
     from workers.kafka.publisher import Publisher, request_size_for
     from workers.kafka.records import Outgoing, decode_message
@@ -269,6 +268,6 @@ async def replay(args: argparse.Namespace, derenderer, start: tuple[str, int], s
         return summary
     finally:
         derenderer.flush_logs()
-        await stop_consumer(consumer)
+        await stop_consumer(consumer, "genpipe replay")
         if producer is not None:
             await stop_producer(producer, 10.0, "genpipe replay")

@@ -274,6 +274,18 @@ async def wait_at_most(awaitable, timeout_s: float, not_done: str, then: str) ->
         return False
 
 
+async def stop_consumer(consumer: AIOKafkaConsumer, who: str) -> None:
+    """Stop `consumer`. With the broker gone, aiokafka 0.14's consumer re-raises the
+    cancellation of its own fetch task from stop(); that one is not ours to pass on."""
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        logging.getLogger(__name__).warning("%s: its consumer stopped with its broker unreachable", who)
+
+
 async def stop_producer(producer: AIOKafkaProducer, timeout_s: float, who: str) -> bool:
     """Stop `producer`, waiting at most `timeout_s` for Kafka to acknowledge the records it
     holds; True when it did.
