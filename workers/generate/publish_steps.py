@@ -47,6 +47,12 @@ class PublishSteps:
         series(CHUNK_STRETCH, W).set(1.0)  # (not 0 before the first change: 1 is "not behind")
         self._lock = asyncio.Lock()
         self.under_way: set[asyncio.Task] = set()  # steps scheduled from code that cannot await
+        # The first such step that raised (the chunks topic deleted, this worker no longer
+        # allowed to write to it): the worker's next loop turn stops it (`tick`), as one
+        # awaited there does. Logged only, the worker ran on with its partitions' offsets
+        # held and every request read after it unanswered (aiokafka's own log said
+        # "Topic ... not found" ~700 times a second).
+        self.failure: BaseException | None = None
         self._ready: list[InFlight] = []  # requests with tokens received, not yet taken (in arrival order)
         self._tuned = (False, 1.0)  # what the engine's token holder was last told (_tune)
         self._hold = HistogramBatch(series(CHUNK_HOLD, W))  # flushed once per publish step
@@ -70,9 +76,11 @@ class PublishSteps:
 
     def _done(self, task: asyncio.Task) -> None:
         self.under_way.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # (shutdown with the broker away)
+        if not task.cancelled() and task.exception() is not None:
             log.error("publish step failed: %r; its requests are not committed, the partitions' next owner "
                       "redoes them", task.exception())
+            if self.failure is None:
+                self.failure = task.exception()
 
     async def run(self, finals: list[tuple[InFlight, Final]]) -> None:
         """Publish the final chunks of requests that ended, and the tokens every other

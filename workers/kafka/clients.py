@@ -286,6 +286,16 @@ async def stop_consumer(consumer: AIOKafkaConsumer, who: str) -> None:
         logging.getLogger(__name__).warning("%s: its consumer stopped with its broker unreachable", who)
 
 
+def retrieve_failure(batch) -> None:
+    """Mark a failed aiokafka batch's own futures (the batch's, its drain waiter) as read:
+    the records' futures carry the failure to whoever waits on them, and aiokafka leaves
+    these unread for a batch sent whole (`send_batch`), which asyncio logs as "Future
+    exception was never retrieved" when they are collected."""
+    for future in (getattr(batch, "future", None), getattr(batch, "_drain_waiter", None)):
+        if future is not None and future.done() and not future.cancelled():
+            future.exception()
+
+
 async def stop_producer(producer: AIOKafkaProducer, timeout_s: float, who: str) -> bool:
     """Stop `producer`, waiting at most `timeout_s` for Kafka to acknowledge the records it
     holds; True when it did.
@@ -309,7 +319,10 @@ async def stop_producer(producer: AIOKafkaProducer, timeout_s: float, who: str) 
         await asyncio.wait([sender_task], timeout=timeout_s)
     accumulator = getattr(producer, "_message_accumulator", None)
     if accumulator is not None:
+        batches = [b for queued in accumulator._batches.values() for b in queued] + list(accumulator._pending_batches)
         accumulator.fail_all(KafkaTimeoutError(f"not acknowledged within {timeout_s:g} s: dropped as the producer "
                                                f"stopped"))
+        for batch in batches:
+            retrieve_failure(batch)
     await wait_at_most(producer.stop(), timeout_s, f"{who}: producer not stopped", "leaving it")
     return False

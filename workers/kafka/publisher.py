@@ -82,6 +82,11 @@ class Publisher:
         """The topic's partition count, looked up when not known (`TopicCounts.count`)."""
         return await self.topics.count(topic)
 
+    async def deleted_topics(self) -> list[str]:
+        """The topics deleted since while records for them wait in the producer, which
+        stay there (`TopicCounts.deleted_with_records_queued`)."""
+        return await self.topics.deleted_with_records_queued()
+
     def known_partitions(self, topic: str) -> int:
         """The topic's partition count if known, else 0; never waits (`TopicCounts.known`)."""
         return self.topics.known(topic)

@@ -13,6 +13,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import murmur2
 
+from workers.kafka.clients import retrieve_failure
+
 log = logging.getLogger(__name__)
 
 # How long a worker waits to learn whether a topic exists. aiokafka alone waits its whole
@@ -174,8 +176,25 @@ class TopicCounts:
         for good, and so did what waits on those records: a derender's chunk hold (its
         partition committed no further) and its shutdown. They fail with
         UnknownTopicOrPartitionError, which the derender answers like any refused result.
-        Cheap to call every loop turn: looks at most once a second. (A topic without a
-        leader is still in the metadata: its records keep waiting.)"""
+        Cheap to call every loop turn (`deleted_with_records_queued`)."""
+        gone = await self.deleted_with_records_queued()
+        accumulator = getattr(self.producer, "_message_accumulator", None)
+        for tp in [tp for tp in getattr(accumulator, "_batches", ()) if tp.topic in gone]:
+            batches = accumulator._batches.pop(tp)
+            log.warning("%s[%d]: the topic was deleted with %d records queued for it: failing them", tp.topic,
+                        tp.partition, sum(batch.record_count for batch in batches))
+            for batch in batches:
+                batch.failure(UnknownTopicOrPartitionError(f"topic {tp.topic!r} was deleted"))
+                retrieve_failure(batch)
+        return gone
+
+    async def deleted_with_records_queued(self) -> list[str]:
+        """The topics deleted while the producer holds records for them, missing from the
+        metadata for DELETED_TOPIC_WAIT_S and confirmed by a fresh lookup; their partition
+        counts and limits are forgotten (a record for one then finds it missing:
+        TopicUnavailable). Their records stay queued. Cheap to call every loop turn: looks
+        at most once a second. (A topic without a leader is still in the metadata: its
+        records keep waiting.)"""
         now = time.monotonic()
         if now < self._next_deleted_check:
             return []
@@ -193,17 +212,6 @@ class TopicCounts:
         except (asyncio.TimeoutError, KafkaError):
             return []
         gone = [t for t in due if not cluster.partitions_for_topic(t)]
-        for tp in [tp for tp in accumulator._batches if tp.topic in gone]:
-            batches = accumulator._batches.pop(tp)
-            log.warning("%s[%d]: the topic was deleted with %d records queued for it: failing them", tp.topic,
-                        tp.partition, sum(batch.record_count for batch in batches))
-            for batch in batches:
-                batch.failure(UnknownTopicOrPartitionError(f"topic {tp.topic!r} was deleted"))
-                # (retrieved: the records' own futures carry it; else asyncio logs "Future
-                # exception was never retrieved" for each, the batch's drain waiter too)
-                for future in (batch.future, getattr(batch, "_drain_waiter", None)):
-                    if future is not None and future.done() and not future.cancelled():
-                        future.exception()
         for topic in gone:
             self._missing_since.pop(topic, None)
             self.counts.pop(topic, None)  # its next record finds it missing (TopicUnavailable)
