@@ -86,6 +86,7 @@ def test_a_chat_body_maps_onto_a_request():
     ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, "chat", "add_special_tokens", 400),
     ({"prompt": "x", "use_beam_search": True}, "completion", "use_beam_search", 400),
     ({"prompt": "x", "return_tokens_as_token_ids": True}, "completion", "return_tokens_as_token_ids", 400),
+    ({"prompt": "x", "priority": 2 ** 63}, "completion", "priority", 400),
 ])
 def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
     with pytest.raises(BadParameter) as err:
@@ -126,6 +127,13 @@ def test_numbers_and_content_parts_as_vllm_reads_them():
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     assert parse({"messages": [{"role": "user", "content": parts}]}, "chat", "m").messages == [
         {"role": "user", "content": "first\nsecond"}]
+
+
+def test_priority_takes_the_request_records_64_bits():
+    """The record's `priority` is 64 bits (as `submit --priority` takes it); the gateway
+    refused what passed 32."""
+    for priority in (-(2 ** 63), 2 ** 31, 2 ** 63 - 1):
+        assert parse({"prompt": "x", "priority": priority}, "completion", "genpipe-tiny").options["priority"] == priority
 
 
 def test_null_is_not_given():
@@ -610,24 +618,28 @@ async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topi
     await make_topics(kafka_settings, partitions=2)
     async with running_stack(kafka_settings, tiny_model_dir, step_s=0.3, keepalive_s=0.05) as (base, _):
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            relayed_before = _relayed(await http.get("/metrics"))
+            before = (await http.get("/metrics")).text
             lines = []
             async with http.stream("POST", "/v1/completions", json={
                     "model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}) as s:
                 async for line in s.aiter_lines():
                     lines.append(line)
-            relayed = _relayed(await http.get("/metrics")) - relayed_before
+            after = (await http.get("/metrics")).text
     assert ": keep-alive" in lines  # between tokens 0.3 s apart
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     # /metrics: every event's relay time (its record read -> handed to the HTTP server) observed
-    assert relayed == len(events) - 1
+    relayed = "genpipe_gateway_relay_seconds_count"
+    assert _sample(after, relayed) - _sample(before, relayed) == len(events) - 1
+    # and the stream counted once it ended, as answered whole
+    answered = 'genpipe_gateway_requests_total{route="/v1/completions",status="200"}'
+    assert _sample(after, answered) - _sample(before, answered) == 1
 
 
-def _relayed(metrics: httpx.Response) -> float:
-    assert metrics.status_code == 200
-    line = next(line for line in metrics.text.splitlines() if line.startswith("genpipe_gateway_relay_seconds_count"))
-    return float(line.split()[-1])
+def _sample(metrics: str, name: str) -> float:
+    """The value of the sample `name` (with its labels as exposed) in a /metrics text; 0 if absent."""
+    line = next((line for line in metrics.splitlines() if line.startswith(name + " ")), None)
+    return 0.0 if line is None else float(line.split()[-1])
 
 
 @pytest.mark.kafka
@@ -642,6 +654,7 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
     async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0,
                                answer_timeout_s=1.0) as \
             (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        before = (await http.get("/metrics")).text
         health = await http.get("/health")
         assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
         # a burst of checks (a load balancer's, anyone's: /health takes no credentials)
@@ -651,7 +664,23 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert "raise --answer-timeout" in r.json()["error"]["message"]
+        # a stream gets its timeout as an error event after its 200
+        async with http.stream("POST", "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}) as s:
+            lines = [line async for line in s.aiter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200 and '"code":504' in lines[-1], lines
+        bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 400
         assert gateway.in_flight == 0
+        # /metrics counts each by its route and the status its client got (a stream's: its
+        # error event's), which the workers' metrics cannot see
+        metrics = (await http.get("/metrics")).text
+    def counted(route: str, status: int) -> float:
+        name = f'genpipe_gateway_requests_total{{route="{route}",status="{status}"}}'
+        return _sample(metrics, name) - _sample(before, name)
+
+    assert counted("/v1/completions", 504) == 1 and counted("/v1/chat/completions", 504) == 1
+    assert counted("/v1/completions", 400) == 1 and counted("/v1/chat/completions", 200) == 0
 
 
 @pytest.mark.kafka
@@ -746,7 +775,8 @@ async def test_a_gateway_whose_reply_reader_failed_says_so_on_health(kafka_setti
         await wait_for(lambda: gateway.client.reader_error is not None, 30, "the reader to fail")
         health = await http.get("/health")
         assert health.status_code == 503, health.text
-        assert health.json()["reason"].startswith(f"this gateway's reader of {gateway.reply_topic} failed (")
+        # (what failed is in its log: /health takes no credentials)
+        assert health.json()["reason"] == "this gateway's reader of its reply topic failed (its log says why); restart it"
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 5], "max_tokens": 2})
         assert r.status_code == 503 and "reader" in r.json()["error"]["message"], r.text
 

@@ -35,7 +35,7 @@ from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.mailbox import KEEPALIVE
-from workers.metrics import GATEWAY_RELAY, watch_gc_pauses
+from workers.metrics import GATEWAY_RELAY, GATEWAY_REQUESTS, series, watch_gc_pauses
 
 try:
     from jinja2 import TemplateError  # what a chat template raises to refuse messages
@@ -44,6 +44,7 @@ except ImportError:  # (no jinja2: no chat templates either)
 
 log = logging.getLogger(__name__)
 HEALTH_REUSE_S = 2.0  # a look at the worker groups answers /health this long
+ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}  # (the requests counter's label)
 _json = msgspec.json.Encoder()
 
 
@@ -135,6 +136,12 @@ class Gateway:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: str) -> Response:
+        response = await self._generate(request, kind)
+        if not isinstance(response, EventStream):  # (a stream counts itself when it ends: `_events`)
+            series(GATEWAY_REQUESTS, ROUTES[kind], str(response.status_code)).inc()
+        return response
+
+    async def _generate(self, request: Request, kind: str) -> Response:
         try:
             body = msgspec.json.decode(await _read_body(request, self.config.max_body_bytes))
         except BadParameter as exc:
@@ -182,7 +189,7 @@ class Gateway:
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
-                                            parsed.options.get("continuous_usage", False)),
+                                            parsed.options.get("continuous_usage", False), ROUTES[kind]),
                                self.stall_watch, choices[0].request_id)
         return await self._complete(request, choices, prompt_of, max(self.config.answer_timeout_s, timeout or 0))
 
@@ -214,8 +221,7 @@ class Gateway:
                 return error_response(504, f"{exc} (a non-streamed answer comes whole when its request ends: "
                                            f"give a longer one a timeout, or raise --answer-timeout)", "timeout")
             except GenpipeError as exc:
-                status = exc.code if isinstance(exc.code, int) and 400 <= exc.code < 600 else 500
-                return error_response(status, exc.message, exc.type, exc.param)
+                return error_response(_http_status(exc.code), exc.message, exc.type, exc.param)
             except Exception as exc:  # Kafka unreachable, the client stopped
                 log.error("request %s failed: %r", choices[0].request_id, exc)
                 return error_response(503, f"genpipe is unavailable: {exc}", "service_unavailable")
@@ -234,15 +240,19 @@ class Gateway:
                 self.client.cancel_soon(c.request_id, "another choice of the HTTP request failed")
             raise
 
-    async def _events(self, choices: list, prompt_of: list[int], include_usage: bool, continuous_usage: bool):
+    async def _events(self, choices: list, prompt_of: list[int], include_usage: bool, continuous_usage: bool,
+                      route: str):
         """Server-sent events: `data: {json}` per result record, `data: [DONE]` at the end;
         with several choices their records interleave, each with its `index`, and one
         usage record (the sum) comes last (`continuous_usage`: every record also keeps its
         choice's usage so far). A quiet stream gets a `: keep-alive` comment every
         `keepalive_s`. After the first byte an error can only be an event; a request that
         restarted on another generate worker after bytes were sent cannot take them back,
-        so the stream ends with an error event saying so (and the rest is cancelled)."""
+        so the stream ends with an error event saying so (and the rest is cancelled).
+        Counted at its end (`genpipe_gateway_requests_total`) with the status its error
+        event carries, 200 for [DONE], 499 when its HTTP client went away first."""
         self.in_flight += 1
+        status = 499
         response_id = f"{'chatcmpl' if choices[0].output.kind == 'chat' else 'cmpl'}-{choices[0].request_id}"
         finished, sent = set(), False
         usages: list = [None] * len(choices)
@@ -264,6 +274,7 @@ class Gateway:
                         yield b": keep-alive\n\n"  # an SSE comment: clients ignore it
                         continue
                     if record.restart and sent:
+                        status = 500
                         yield _event(error_body("the request was restarted by the pipeline after part of its "
                                                 "output was sent; the output so far is void: send the request "
                                                 "again", "server_error", code=500))
@@ -272,6 +283,7 @@ class Gateway:
                         finished.add(index)
                     item = record.value
                     if isinstance(item, ErrorResponse):
+                        status = _http_status(item.error.code)
                         yield _event(_json.encode(item))
                         return
                     if item.usage is not None:
@@ -288,21 +300,25 @@ class Gateway:
             if include_usage and last is not None:
                 usage = total_usage(usages, prompt_of)
                 yield _event(_json.encode(msgspec.structs.replace(last, choices=[], usage=usage)))
+            status = 200
             yield b"data: [DONE]\n\n"
         except GenpipeError as exc:  # a timeout, or the HTTP client stopped reading (max_unread)
             # Cancel first: the error event may wait on a client that does not read.
             # (a choice whose reader fell behind was cancelled by the client already)
             cancel_rest(f"the HTTP stream failed: {exc.message[:200]}",
                         exc.request_id if isinstance(exc, GenpipeOverflow) else None)
-            timeout = isinstance(exc, GenpipeTimeout)
-            yield _event(error_body(exc.message, exc.type, exc.param, 504 if timeout else exc.code))
+            code = 504 if isinstance(exc, GenpipeTimeout) else exc.code
+            status = _http_status(code)
+            yield _event(error_body(exc.message, exc.type, exc.param, code))
         except Exception as exc:  # Kafka unreachable, the client's reader failed: as a non-streamed 503
             log.error("request %s failed: %r", choices[0].request_id, exc)
             cancel_rest(f"the HTTP stream failed: {str(exc)[:200]}")
             # (the stream was cut with no event before: the HTTP client saw a broken body)
+            status = 503
             yield _event(error_body(f"genpipe is unavailable: {exc}", "service_unavailable", code=503))
         finally:
             self.in_flight -= 1
+            series(GATEWAY_REQUESTS, route, str(status)).inc()
             # the HTTP client went away, or the stream ended early
             cancel_rest("the HTTP stream ended before the request")
 
@@ -355,23 +371,30 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         from workers.kafka.groups import missing_workers
 
-        failed = self.client.reader_error
-        if failed is not None:  # every request gets 503 until the gateway is restarted
-            return _unavailable(f"this gateway's reader of {self.reply_topic} failed ({failed!r}); restart it")
+        # /health takes no credentials: its body says what is wrong, the log says where and
+        # why (the bootstrap servers and the exception were in the body, to any caller)
+        if self.client.reader_error is not None:  # every request gets 503 until the gateway is restarted
+            return _unavailable("this gateway's reader of its reply topic failed (its log says why); restart it")
         loop = asyncio.get_running_loop()
         if self._health is None or (self._health.done() and loop.time() - self._health_at >= HEALTH_REUSE_S):
             # One look at the groups answers every call for a while: each call opened an
-            # admin client (a connection, TLS and a login), and /health takes no credentials
+            # admin client (a connection, TLS and a login)
             self._health = asyncio.ensure_future(asyncio.wait_for(
                 missing_workers(self.settings, self.config.worker_groups, raise_errors=True), 10))
-            self._health.add_done_callback(lambda _: setattr(self, "_health_at", loop.time()))  # (from its answer)
+            self._health.add_done_callback(self._looked)
         try:
             missing = await asyncio.shield(self._health)  # (a caller that goes away leaves it to the others)
-        except Exception as exc:  # Kafka unreachable: nothing can be served
-            return _unavailable(f"Kafka at {self.settings.bootstrap_servers} does not answer: {exc!r}")
+        except Exception:  # Kafka unreachable: nothing can be served (logged once per look: `_looked`)
+            return _unavailable("Kafka does not answer")
         if missing:
             return _unavailable("; ".join(missing))
         return Response(_json.encode({"status": "ok"}), media_type="application/json")
+
+    def _looked(self, look: asyncio.Future) -> None:
+        self._health_at = asyncio.get_running_loop().time()  # (reused from its answer on)
+        if not look.cancelled() and look.exception() is not None:
+            log.warning("/health: Kafka at %s does not answer: %r", self.settings.bootstrap_servers,
+                        look.exception())
 
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -382,6 +405,11 @@ class Gateway:
 def _unavailable(reason: str) -> Response:
     return Response(_json.encode({"status": "unavailable", "reason": reason}), status_code=503,
                     media_type="application/json")
+
+
+def _http_status(code) -> int:
+    """The HTTP status an error's `code` names (a worker's error carries one), else 500."""
+    return code if isinstance(code, int) and 400 <= code < 600 else 500
 
 
 def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:

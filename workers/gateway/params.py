@@ -109,7 +109,8 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     opts["ignore_eos"] = _bool(body, "ignore_eos", False)
     opts["include_stop_str_in_output"] = _bool(body, "include_stop_str_in_output", False)
     opts["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
-    opts["priority"] = _int(_given(body, "priority", 0), "priority", -(2 ** 31), 2 ** 31 - 1)
+    # 64 bits, as the request record takes it (and `submit --priority`): the gateway took 32
+    opts["priority"] = _int(_given(body, "priority", 0), "priority", -(2 ** 63), 2 ** 63 - 1)
     k_cap = max_logprobs if max_logprobs >= 0 else None  # -1: no cap (as the workers read it)
     if kind == "completion":
         if body.get("logprobs") is not None:
