@@ -582,3 +582,41 @@ async def test_the_publisher_cuts_batches_to_a_topics_record_limit_and_reads_it_
     assert len({id(f) for f in futures}) > 1  # (batches under the limit: one was 18 kB, refused whole)
     read = await read_topic(kafka_settings, topic, until=lambda r: len(r) >= 41)
     assert [r.key.decode() for r in read] == [f"k{i}" for i in range(40)] + ["alone"]
+
+
+@pytest.mark.kafka
+async def test_a_derender_whose_results_topic_is_deleted_stops_with_an_error_that_names_it(
+        kafka_settings, make_topics, tiny_model_dir, monkeypatch):
+    """The deployment's own results topic deleted under a running derender is a broken
+    deployment, not a client's refusal: the worker stops, naming the topic, and commits
+    nothing past the chunks it could not answer (their next owner redoes them)."""
+    from tests.kafka_helpers import committed_offsets
+    from tests.test_derender_worker import produce_chunks, start_worker
+    from workers.kafka.clients import make_admin
+    from aiokafka import TopicPartition
+
+    monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
+    await make_topics(kafka_settings, partitions=1)
+    results_topic = kafka_settings.topic("results")
+    before = make_chunks("before", [5, 6], [1, 1], prompt_tail=[1])
+    after = make_chunks("after", [5, 6], [1, 1], prompt_tail=[1])
+    stop, task = await start_worker(kafka_settings, tiny_model_dir)
+    try:
+        await produce_chunks(kafka_settings, before, {"before": 0})
+        await read_topic(kafka_settings, results_topic, until=lambda rs: any(
+            r.key == b"before" and HEADER_FINAL in dict(r.headers) for r in rs))
+        admin = make_admin(kafka_settings)
+        await admin.start()
+        try:
+            await admin.delete_topics([results_topic])
+        finally:
+            await admin.close()
+        await produce_chunks(kafka_settings, after, {"after": 0})
+        with pytest.raises(Exception) as failed:
+            await asyncio.wait_for(task, 120)
+    finally:
+        stop.set()
+    assert f"topic {results_topic!r} does not exist" in str(failed.value), repr(failed.value)
+    tp = TopicPartition(kafka_settings.topic("chunks"), 0)
+    committed = (await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-der", [tp])).get(tp)
+    assert committed is None or committed.offset <= len(before), committed
