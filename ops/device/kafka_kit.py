@@ -58,7 +58,7 @@ MODULES = ("java.base", "java.compiler", "java.desktop", "java.logging", "java.m
            "java.sql", "java.xml", "jdk.crypto.ec", "jdk.management", "jdk.unsupported")
 # What the workers and the benches import that a CUDA PyTorch image (torch, transformers,
 # tokenizers, numpy, packaging, typing_extensions) does not have.
-WHEELS = ("msgspec", "aiokafka", "async-timeout", "prometheus-client", "uvloop", "psutil")
+WHEELS = ("msgspec", "aiokafka", "async-timeout", "prometheus-client", "uvloop")
 # What aiokafka needs that such an image has: in wheels/fallback/, installed only where
 # the import fails (throughput_gpu.sh), so as not to shadow the image's own versions.
 FALLBACK_WHEELS = ("typing-extensions", "packaging")

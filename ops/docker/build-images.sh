@@ -95,8 +95,10 @@ if wants genpipe; then
     wheels="$CACHE/wheelhouse"
     mkdir -p "$wheels" "$CACHE/docker"
     rm -f "$CACHE/docker/wheelhouse.port"
-    reqs="$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))'
-            printf 'setuptools>=68\nwheel\n')"
+    # (on its own: in one substitution with the printf, a failure here was hidden and the
+    # wheelhouse got setuptools and wheel alone, found only inside `docker build`)
+    deps="$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')"
+    reqs="$deps"$'\n''setuptools>=68'$'\n''wheel'
     if [ "$(cat "$wheels/.genpipe-requirements" 2>/dev/null)" != "$reqs" ]; then
       log "wheelhouse $wheels: pip download"
       python3 -m pip download -q -d "$wheels" -r /dev/stdin <<<"$reqs"
