@@ -527,7 +527,8 @@ async def test_replay_reproduces_the_results_record_for_record(pipeline, tiny_mo
             return [r async for r in client.records(request)]
         await run(opening)
         got = await asyncio.gather(*(run(r) for r in requests))
-    assert got[2][-1].value.choices[0].finish_reason == "stop"  # the stop string matched
+    # the stop string matched, where its 16 sampled tokens hold a space (most CPUs' models)
+    assert got[2][-1].value.choices[0].finish_reason in ("stop", "length")
     assert " " not in "".join(r.value.choices[0].text for r in got[2])
     assert isinstance(got[4][-1].value, ErrorResponse) and got[4][-1].final
     assert all(r[-1].final and not any(x.restart for x in r) for r in got)

@@ -439,7 +439,8 @@ def _check_against_model(entries, ids, logp, k):
         assert len(entry) in (k, k + 1)  # the top k, and the prompt token when it is not among them
         for tid, lp in entry.items():
             assert lp["logprob"] == pytest.approx(row[int(tid)].item(), abs=1e-4)
-            assert lp["rank"] == 1 + int((row > row[int(tid)] + 1e-6).sum())  # ties aside
+            v = row[int(tid)]  # (ranks within a rounding: engine and HF differ by ~3e-6 on some CPUs)
+            assert 1 + int((row > v + 1e-5).sum()) <= lp["rank"] <= int((row >= v - 1e-5).sum())
             assert tid == str(ids[i]) or lp["rank"] <= k
             assert isinstance(lp["decoded_token"], str)
 

@@ -31,7 +31,7 @@ async def test_a_request_produced_by_kcat_gets_a_result_kcat_reads(kafka_setting
     try:
         await asyncio.wait_for(asyncio.gather(ready_gen.wait(), ready_der.wait()), 120)
         request = {"request_id": "kcat-1", "prompt_token_ids": [1, 100, 200, 300],
-                   "sampling": {"max_tokens": 6, "temperature": 0},
+                   "sampling": {"max_tokens": 6, "temperature": 0, "ignore_eos": True},
                    "output": {"kind": "completion", "stream": True}}
         produced = await asyncio.to_thread(
             subprocess.run, ["kcat", "-P", "-b", broker, "-t", kafka_settings.topic("requests"), "-k", "kcat-1",

@@ -174,7 +174,8 @@ async def test_generate_refuses_a_forbidden_reply_topic_and_answers_on_the_defau
     engine = Engine(str(tiny_model_dir), max_batch=4)
     forbidden = GenerateRequest(request_id="forbidden", prompt_token_ids=[1, 5, 6], reply_topic=kafka_settings.topic("requests"),
                                 sampling=SamplingParams(max_tokens=3))
-    fine = GenerateRequest(request_id="fine", prompt_token_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    fine = GenerateRequest(request_id="fine", prompt_token_ids=[1, 5, 6],  # (no EOS: "length" on any CPU)
+                           sampling=SamplingParams(max_tokens=3, ignore_eos=True))
     stop, task = await start_worker(kafka_settings, engine)
     try:
         await produce(kafka_settings, [request_record(forbidden), request_record(fine)])
