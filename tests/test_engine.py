@@ -506,6 +506,8 @@ def test_stop_ids_include_secondary_eos(hf_model, prompts, hf_greedy):
     the others like stop_token_ids (as vLLM does); ignore_eos disables all of them."""
     ref = hf_greedy(prompts[2], 24)
     head = ref[: ref.index(EOS)] if EOS in ref else ref  # (the model may say EOS early on another CPU)
+    if not head:
+        pytest.skip("this CPU's tiny model says EOS first: no token to make a second EOS of")
     second = head[min(4, len(head) - 1)]
     model = copy.copy(hf_model)
     model.generation_config = copy.deepcopy(hf_model.generation_config)

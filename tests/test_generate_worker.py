@@ -655,7 +655,7 @@ async def test_a_worker_whose_chunks_topic_is_deleted_stops_with_an_error_that_n
             await asyncio.wait_for(task, 120)
     finally:
         stop.set()
-    assert f"publishing chunks to {chunks_topic} failed" in str(failed.value), failed.value
+    assert f"publishing to {chunks_topic} failed" in str(failed.value), failed.value
     offsets = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
                                       [TopicPartition(kafka_settings.topic("requests"), 0)])
     assert [o.offset for o in offsets.values()] == [1], "committed past the request it could not answer"

@@ -60,7 +60,7 @@ GATEWAY_RELAY = Histogram("genpipe_gateway_relay_seconds",
                           buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5))
 GATEWAY_REQUESTS = Counter("genpipe_gateway_requests_total",
                            "Generation requests the gateway answered, by route and HTTP status (a stream: 200 "
-                           "when it ended with [DONE], else its error event's code; 499: the client went away)",
+                           "when it ended with [DONE], else its error event's code; 499: the client went away or stopped reading)",
                            ["route", "status"])
 DERENDER_LATENCY = Histogram("genpipe_derender_latency_seconds",
                              "Token sampled (chunk sampled_at_ns) to its result handed to the producer",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -136,9 +136,21 @@ class Gateway:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: str) -> Response:
-        response = await self._generate(request, kind)
-        if not isinstance(response, EventStream):  # (a stream counts itself when it ends: `_events`)
-            series(GATEWAY_REQUESTS, ROUTES[kind], str(response.status_code)).inc()
+        route = ROUTES[kind]
+        try:
+            response = await self._generate(request, kind)
+        except ClientDisconnect:  # (gone while sending its body)
+            series(GATEWAY_REQUESTS, route, "499").inc()
+            raise
+        except Exception:  # (Starlette answers 500)
+            series(GATEWAY_REQUESTS, route, "500").inc()
+            raise
+        if isinstance(response, EventStream):
+            # A stream counts itself when it ends (`_events`), or here if its client went
+            # before its body began (the generator never ran)
+            response.on_unstarted = lambda: series(GATEWAY_REQUESTS, route, "499").inc()
+        else:
+            series(GATEWAY_REQUESTS, route, str(response.status_code)).inc()
         return response
 
     async def _generate(self, request: Request, kind: str) -> Response:
@@ -300,15 +312,16 @@ class Gateway:
             if include_usage and last is not None:
                 usage = total_usage(usages, prompt_of)
                 yield _event(_json.encode(msgspec.structs.replace(last, choices=[], usage=usage)))
-            status = 200
             yield b"data: [DONE]\n\n"
+            status = 200  # (resumed here only once the server took it)
         except GenpipeError as exc:  # a timeout, or the HTTP client stopped reading (max_unread)
             # Cancel first: the error event may wait on a client that does not read.
             # (a choice whose reader fell behind was cancelled by the client already)
             cancel_rest(f"the HTTP stream failed: {exc.message[:200]}",
                         exc.request_id if isinstance(exc, GenpipeOverflow) else None)
             code = 504 if isinstance(exc, GenpipeTimeout) else exc.code
-            status = _http_status(code)
+            # (a client that stopped reading went first, as one the stall watch gives up)
+            status = 499 if isinstance(exc, GenpipeOverflow) else _http_status(code)
             yield _event(error_body(exc.message, exc.type, exc.param, code))
         except Exception as exc:  # Kafka unreachable, the client's reader failed: as a non-streamed 503
             log.error("request %s failed: %r", choices[0].request_id, exc)
@@ -371,8 +384,8 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         from workers.kafka.groups import missing_workers
 
-        # /health takes no credentials: its body says what is wrong, the log says where and
-        # why (the bootstrap servers and the exception were in the body, to any caller)
+        # Its body says what is wrong, the log where and why: a probe's body ends up in
+        # load balancers' and dashboards' hands (it carried the bootstrap servers and the exception)
         if self.client.reader_error is not None:  # every request gets 503 until the gateway is restarted
             return _unavailable("this gateway's reader of its reply topic failed (its log says why); restart it")
         loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from starlette.responses import StreamingResponse
 
@@ -36,6 +37,15 @@ class EventStream(StreamingResponse):
         self.writing_since: float | None = None  # the loop's time a write began, while it waits
         self.stalled = False
         self.task: asyncio.Task | None = None
+        self.began = False  # its body's generator ran (it counts the request itself then)
+        self.on_unstarted: Callable[[], None] | None = None  # called if it never did
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # (a client gone while the response started: Starlette never ran the body)
+            if not self.began and self.on_unstarted is not None:
+                self.on_unstarted()
 
     async def stream_response(self, send) -> None:
         """Starlette's, with each write's start noted for the watch (inline: a wrapper
@@ -47,6 +57,7 @@ class EventStream(StreamingResponse):
             self.writing_since = time()
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             self.writing_since = None  # (waiting for the first event is not a stalled write)
+            self.began = True
             async for chunk in self.body_iterator:  # (bytes: workers/gateway/app.py `_events`)
                 self.writing_since = time()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -296,15 +296,15 @@ class GenerateHandler(Handler):
     async def tick(self) -> None:
         if self.engine.failure is not None:
             raise RuntimeError(f"engine failed: {self.engine.failure!r}")
-        # The chunks topic deleted under the worker (a broken deployment): a publish step
-        # raised, or the producer holds its records for good (aiokafka never expires
-        # them). Ran on, the worker held its partitions' offsets and answered nothing;
-        # it stops instead, committing nothing past them (their next owner redoes them).
-        chunks_topic = self.steps.chunks.topic
+        # The chunks topic (or the DLQ) deleted under the worker (a broken deployment): a
+        # publish step raised, or the producer holds its records for good (aiokafka never
+        # expires them). Ran on, the worker held its partitions' offsets and answered
+        # nothing; it stops instead, committing nothing past them (their next owner redoes them).
         if self.steps.failure is not None:
-            raise RuntimeError(f"publishing chunks to {chunks_topic} failed: {self.steps.failure!r}")
-        if chunks_topic in await self.publisher.deleted_topics():
-            raise RuntimeError(f"publishing chunks to {chunks_topic} failed: the topic was deleted")
+            raise RuntimeError(f"publishing to {self.steps.chunks.topic} failed: {self.steps.failure!r}")
+        for topic in await self.publisher.deleted_topics():
+            if topic in (self.steps.chunks.topic, self.publisher.dlq_topic):
+                raise RuntimeError(f"publishing to {topic} failed: the topic was deleted")
         if self.stall is not None and (stuck := self.stall.stuck(len(self.inflight), bool(self.steps.under_way))):
             raise RuntimeError(stuck)
         now_ms = time.time() * 1000
