@@ -103,6 +103,16 @@ async def wait_for_commit(settings: KafkaSettings, group: str, tp, offset: int, 
         await asyncio.sleep(0.2)
 
 
+async def delete_topic(settings: KafkaSettings, name: str) -> None:
+    """Delete one topic (a client's reply topic, or a deployment's own under its worker)."""
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        await admin.delete_topics([name])
+    finally:
+        await admin.close()
+
+
 async def create_topic(settings: KafkaSettings, name: str, partitions: int = 1,
                        max_message_bytes: int | None = None) -> None:
     """One topic beside a deployment's six (a reply topic), optionally with its own record limit."""

@@ -629,7 +629,7 @@ async def test_a_worker_whose_chunks_topic_is_deleted_stops_with_an_error_that_n
     "Topic ... not found in cluster metadata" ~700 times a second. It stops now, as a
     publish step awaited in its loop did, saying which topic; nothing is committed past
     the request, so the partitions' next owner (once the topic is back) redoes it."""
-    from workers.kafka.clients import make_admin
+    from tests.kafka_helpers import delete_topic
 
     monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
     await make_topics(kafka_settings, partitions=1)
@@ -642,12 +642,7 @@ async def test_a_worker_whose_chunks_topic_is_deleted_stops_with_an_error_that_n
         await read_topic(kafka_settings, chunks_topic, until=chunks_finished({"before"}))
         await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
                               TopicPartition(kafka_settings.topic("requests"), 0), 1)
-        admin = make_admin(kafka_settings)
-        await admin.start()
-        try:
-            await admin.delete_topics([chunks_topic])
-        finally:
-            await admin.close()
+        await delete_topic(kafka_settings, chunks_topic)
         orphan = GenerateRequest(request_id="orphan", prompt_token_ids=[1, 7],
                                  sampling=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
         await produce(kafka_settings, [request_record(orphan)])

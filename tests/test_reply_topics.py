@@ -278,9 +278,8 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
     here), and the request gets an error on the default topic like any refused result.
     Results handled after the worker saw the topic go were worse: each publish waited 30 s
     in aiokafka (the whole loop with it) before it failed."""
-    from tests.kafka_helpers import create_topic
+    from tests.kafka_helpers import create_topic, delete_topic
     from tests.test_derender_worker import all_final, produce_chunks, start_worker
-    from workers.kafka.clients import make_admin
 
     monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
     await make_topics(kafka_settings, partitions=1)
@@ -293,12 +292,7 @@ async def test_a_reply_topic_deleted_mid_stream_ends_its_request_with_an_error_a
     try:
         await produce_chunks(kafka_settings, long[:2], {"long": 0})
         await read_topic(kafka_settings, doomed, until=lambda rs: len(rs) >= 2)
-        admin = make_admin(kafka_settings)
-        await admin.start()
-        try:
-            await admin.delete_topics([doomed])
-        finally:
-            await admin.close()
+        await delete_topic(kafka_settings, doomed)
         await produce_chunks(kafka_settings, long[2:] + after, {"long": 0, "after": 0})
         records = await read_topic(kafka_settings, kafka_settings.topic("results"), timeout=60,
                                    until=all_final({"long", "after"}))
@@ -591,9 +585,8 @@ async def test_a_derender_whose_results_topic_is_deleted_stops_with_an_error_tha
     """The deployment's own results topic deleted under a running derender is a broken
     deployment, not a client's refusal: the worker stops, naming the topic, and commits
     nothing past the chunks it could not answer (their next owner redoes them)."""
-    from tests.kafka_helpers import committed_offsets
+    from tests.kafka_helpers import committed_offsets, delete_topic
     from tests.test_derender_worker import produce_chunks, start_worker
-    from workers.kafka.clients import make_admin
     from aiokafka import TopicPartition
 
     monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
@@ -606,12 +599,7 @@ async def test_a_derender_whose_results_topic_is_deleted_stops_with_an_error_tha
         await produce_chunks(kafka_settings, before, {"before": 0})
         await read_topic(kafka_settings, results_topic, until=lambda rs: any(
             r.key == b"before" and HEADER_FINAL in dict(r.headers) for r in rs))
-        admin = make_admin(kafka_settings)
-        await admin.start()
-        try:
-            await admin.delete_topics([results_topic])
-        finally:
-            await admin.close()
+        await delete_topic(kafka_settings, results_topic)
         await produce_chunks(kafka_settings, after, {"after": 0})
         with pytest.raises(Exception) as failed:
             await asyncio.wait_for(task, 120)
