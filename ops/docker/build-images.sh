@@ -99,10 +99,15 @@ if wants genpipe; then
     # wheelhouse got setuptools and wheel alone, found only inside `docker build`)
     deps="$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')"
     reqs="$deps"$'\n''setuptools>=68'$'\n''wheel'
-    if [ "$(cat "$wheels/.genpipe-requirements" 2>/dev/null)" != "$reqs" ]; then
+    # The image's Python (Debian bookworm's 3.11), not the host's: pip downloads for the
+    # interpreter it runs on, and a 3.12 host's wheels (cp312) would not install in the image
+    target=(--only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    marker="${target[*]}"$'\n'"$reqs"
+    if [ "$(cat "$wheels/.genpipe-requirements" 2>/dev/null)" != "$marker" ]; then
       log "wheelhouse $wheels: pip download"
-      python3 -m pip download -q -d "$wheels" -r /dev/stdin <<<"$reqs"
-      printf '%s\n' "$reqs" >"$wheels/.genpipe-requirements"
+      python3 -m pip download -q -d "$wheels" "${target[@]}" -r /dev/stdin <<<"$reqs"
+      printf '%s\n' "$marker" >"$wheels/.genpipe-requirements"
     fi
     python3 ops/docker/serve_dir.py "$wheels" "$port" >"$CACHE/docker/wheelhouse.port" &
     server=$!
