@@ -590,8 +590,6 @@ async def test_a_stream_whose_client_reads_nothing_is_given_up_and_frees_its_slo
     first (499), not as answered."""
     import socket
 
-    from prometheus_client import REGISTRY
-
     from schemas import Cancel
     from tests.kafka_helpers import read_topic, wait_for
     from workers.kafka.records import decode_message
@@ -602,8 +600,7 @@ async def test_a_stream_whose_client_reads_nothing_is_given_up_and_frees_its_slo
                              send_buffer=4096, max_unread=100_000) as (base, gateway):
         body = json.dumps({"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 3000, "ignore_eos": True,
                            "stream": True}).encode()
-        labels = {"route": "/v1/completions", "status": "499"}
-        gone_before = REGISTRY.get_sample_value("genpipe_gateway_requests_total", labels) or 0
+        gone_before = _requests("completions", 499)
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window)
         client.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))  # (loopback: at once)
@@ -612,7 +609,7 @@ async def test_a_stream_whose_client_reads_nothing_is_given_up_and_frees_its_slo
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await wait_for(lambda: gateway.in_flight == 1, 30, "the stream under way")
             await wait_for(lambda: gateway.in_flight == 0, 60, "the stalled stream to give its slot back")
-            assert REGISTRY.get_sample_value("genpipe_gateway_requests_total", labels) == gone_before + 1
+            assert _requests("completions", 499) == gone_before + 1
             cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
                                        until=lambda records: len(records) >= 1)
         finally:
@@ -625,28 +622,34 @@ async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topi
     await make_topics(kafka_settings, partitions=2)
     async with running_stack(kafka_settings, tiny_model_dir, step_s=0.3, keepalive_s=0.05) as (base, _):
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            before = (await http.get("/metrics")).text
+            relayed_before, answered_before = _relayed(await http.get("/metrics")), _requests("completions", 200)
             lines = []
             async with http.stream("POST", "/v1/completions", json={
                     "model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}) as s:
                 async for line in s.aiter_lines():
                     lines.append(line)
-            after = (await http.get("/metrics")).text
+            relayed = _relayed(await http.get("/metrics")) - relayed_before
     assert ": keep-alive" in lines  # between tokens 0.3 s apart
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     # /metrics: every event's relay time (its record read -> handed to the HTTP server) observed
-    relayed = "genpipe_gateway_relay_seconds_count"
-    assert _sample(after, relayed) - _sample(before, relayed) == len(events) - 1
+    assert relayed == len(events) - 1
     # and the stream counted once it ended, as answered whole
-    answered = 'genpipe_gateway_requests_total{route="/v1/completions",status="200"}'
-    assert _sample(after, answered) - _sample(before, answered) == 1
+    assert _requests("completions", 200) - answered_before == 1
 
 
-def _sample(metrics: str, name: str) -> float:
-    """The value of the sample `name` (with its labels as exposed) in a /metrics text; 0 if absent."""
-    line = next((line for line in metrics.splitlines() if line.startswith(name + " ")), None)
-    return 0.0 if line is None else float(line.split()[-1])
+def _relayed(metrics: httpx.Response) -> float:
+    assert metrics.status_code == 200
+    line = next(line for line in metrics.text.splitlines() if line.startswith("genpipe_gateway_relay_seconds_count"))
+    return float(line.split()[-1])
+
+
+def _requests(route: str, status: int) -> float:
+    """genpipe_gateway_requests_total for /v1/`route` and `status`, counted so far in this process."""
+    from prometheus_client import REGISTRY
+
+    labels = {"route": f"/v1/{route}", "status": str(status)}
+    return REGISTRY.get_sample_value("genpipe_gateway_requests_total", labels) or 0.0
 
 
 @pytest.mark.kafka
@@ -661,7 +664,8 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
     async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="lonely", timeout_s=1.0,
                                answer_timeout_s=1.0) as \
             (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
-        before = (await http.get("/metrics")).text
+        before = {(route, status): _requests(route, status)
+                  for route in ("completions", "chat/completions") for status in (400, 504)}
         health = await http.get("/health")
         assert health.status_code == 503 and "no generate worker" in health.json()["reason"]
         # a burst of checks (a load balancer's, anyone's: /health takes no credentials)
@@ -679,15 +683,11 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
         bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400
         assert gateway.in_flight == 0
-        # /metrics counts each by its route and the status its client got (a stream's: its
-        # error event's), which the workers' metrics cannot see
-        metrics = (await http.get("/metrics")).text
-    def counted(route: str, status: int) -> float:
-        name = f'genpipe_gateway_requests_total{{route="{route}",status="{status}"}}'
-        return _sample(metrics, name) - _sample(before, name)
-
-    assert counted("/v1/completions", 504) == 1 and counted("/v1/chat/completions", 504) == 1
-    assert counted("/v1/completions", 400) == 1
+    # counted by route and the status its client got (a stream's: its error event's),
+    # which the workers' metrics cannot see
+    counted = {key: _requests(*key) - count for key, count in before.items()}
+    assert counted == {("completions", 400): 1, ("completions", 504): 1,
+                       ("chat/completions", 400): 0, ("chat/completions", 504): 1}
 
 
 @pytest.mark.kafka
@@ -819,18 +819,16 @@ async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(kafka
         assert small.status_code == 404, small.text
         assert gateway.in_flight == 0
         # a client gone while it sent its body: counted as gone (499), where it was not counted
-        from prometheus_client import REGISTRY
         from tests.kafka_helpers import wait_for
 
-        labels = {"route": "/v1/completions", "status": "499"}
-        gone_before = REGISTRY.get_sample_value("genpipe_gateway_requests_total", labels) or 0
+        gone_before = _requests("completions", 499)
         reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
         await writer.drain()
         writer.close()
-        await wait_for(lambda: (REGISTRY.get_sample_value("genpipe_gateway_requests_total", labels) or 0)
-                       == gone_before + 1, 30, "the request gone mid-body counted")
+        await wait_for(lambda: _requests("completions", 499) == gone_before + 1, 30,
+                       "the request gone mid-body counted")
 
 
 @pytest.mark.kafka
