@@ -620,37 +620,42 @@ async def test_a_request_that_does_not_decode_is_answered_on_its_reply_topic(kaf
     assert finals["ruled"].reply_topic is None and finals["odd"].reply_topic is None
 
 
-async def test_a_worker_whose_chunks_topic_is_deleted_stops_with_an_error_that_names_it(
-        kafka_settings, make_topics, engine, monkeypatch):
-    """The chunks topic deleted under a running worker (a broken deployment): the producer
-    held its chunks for good (aiokafka never expires them), or its publish step raised
-    and the failure was only logged. The worker ran on with the partition's
+@pytest.mark.parametrize("deleted", ["chunks", "dlq"])
+async def test_a_worker_whose_own_topic_is_deleted_stops_with_an_error_that_names_it(
+        kafka_settings, make_topics, engine, monkeypatch, deleted):
+    """The chunks topic (or the DLQ) deleted under a running worker (a broken deployment):
+    the producer held its records for good (aiokafka never expires them), or its publish
+    step raised and the failure was only logged. The worker ran on with the partition's
     offset held and every request read after it unanswered, while aiokafka logged
     "Topic ... not found in cluster metadata" ~700 times a second. It stops now, as a
     publish step awaited in its loop did, saying which topic; nothing is committed past
-    the request, so the partitions' next owner (once the topic is back) redoes it."""
+    the record, so the partitions' next owner (once the topic is back) redoes it. The DLQ
+    takes the records the worker cannot answer (no readable request_id)."""
     from tests.kafka_helpers import delete_topic
 
     monkeypatch.setattr("workers.kafka.topic_metadata.DELETED_TOPIC_WAIT_S", 2.0)
     await make_topics(kafka_settings, partitions=1)
-    chunks_topic = kafka_settings.topic("chunks")
-    before = GenerateRequest(request_id="before", prompt_token_ids=[1, 7],
-                             sampling=SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    topic = kafka_settings.topic(deleted)
+
+    def record(request_id: str):
+        if deleted == "dlq":  # a record with no request_id to answer: copied to the DLQ
+            return request_id.encode(), b"\xc1\xc1 not a record", [("content-type", b"application/x-msgpack")]
+        return request_record(GenerateRequest(request_id=request_id, prompt_token_ids=[1, 7], sampling=SamplingParams(
+            max_tokens=2, ignore_eos=True, temperature=0)))
+
     stop, task = await start_worker(kafka_settings, engine)
     try:
-        await produce(kafka_settings, [request_record(before)])  # (the worker has written to it)
-        await read_topic(kafka_settings, chunks_topic, until=chunks_finished({"before"}))
+        await produce(kafka_settings, [record("before")])  # (the worker has written to it)
+        await read_topic(kafka_settings, topic, until=lambda rs: any(r.key == b"before" for r in rs))
         await wait_for_commit(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
                               TopicPartition(kafka_settings.topic("requests"), 0), 1)
-        await delete_topic(kafka_settings, chunks_topic)
-        orphan = GenerateRequest(request_id="orphan", prompt_token_ids=[1, 7],
-                                 sampling=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
-        await produce(kafka_settings, [request_record(orphan)])
+        await delete_topic(kafka_settings, topic)
+        await produce(kafka_settings, [record("orphan")])
         with pytest.raises(RuntimeError) as failed:  # (~12 s: the metadata's refresh, then 2 s)
             await asyncio.wait_for(task, 120)
     finally:
         stop.set()
-    assert f"publishing to {chunks_topic} failed" in str(failed.value), failed.value
+    assert f"publishing to {topic} failed" in str(failed.value), failed.value
     offsets = await committed_offsets(kafka_settings, f"{kafka_settings.topic_prefix}-gen",
                                       [TopicPartition(kafka_settings.topic("requests"), 0)])
-    assert [o.offset for o in offsets.values()] == [1], "committed past the request it could not answer"
+    assert [o.offset for o in offsets.values()] == [1], "committed past the record it could not publish"
