@@ -108,7 +108,7 @@ async def test_broker_restart_mid_stream_loses_no_request(how, make_topics, tiny
         assert text == expected[request.request_id], request.request_id
 
 
-async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_model_dir, tmp_path):
+async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_model_dir, tmp_path, caplog):
     """`genpipe serve` with its broker gone: /health and every request say 503 within the
     send timeout, in OpenAI's error shape, instead of hanging on the producer's retries;
     and it stops when told to, though its producer still holds the refused records
@@ -135,13 +135,19 @@ async def test_the_gateway_answers_503_while_kafka_is_down(make_topics, tiny_mod
             answer = await http.post("/v1/completions", json=body)
             assert answer.status_code == 503, answer.text
             error = answer.json()["error"]
-            assert error["type"] == "service_unavailable" and "is it reachable" in error["message"]
+            # what failed, not where: the cluster's address is the operator's (the log's)
+            assert error["type"] == "service_unavailable", error
+            assert error["message"].startswith("Kafka did not take request "), error
+            assert info.bootstrap_servers not in answer.text
+            assert any(info.bootstrap_servers in r.getMessage() and "is it reachable" in r.getMessage()
+                       for r in caplog.records if r.name == "workers.gateway.app")
             events = []
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
                 async for line in stream.aiter_lines():
                     if line.startswith("data: "):
                         events.append(json.loads(line[len("data: "):]))
             assert len(events) == 1 and events[0]["error"]["code"] == 503  # the stream says why, and ends
+            assert events[0]["error"]["message"].startswith("Kafka did not take request "), events
         # (serving_gateway's exit waits at most 30 s for the gateway to stop, Kafka still down)
         # and nothing of its producer is left waiting for Kafka (aiokafka's accumulator close
         # task stayed pending for good: workers/kafka/clients.py `stop_producer`)

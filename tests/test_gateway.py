@@ -654,7 +654,7 @@ def _requests(route: str, status: int) -> float:
 
 @pytest.mark.kafka
 async def test_without_workers_health_is_503_and_a_request_times_out_with_504(kafka_settings, make_topics,
-                                                                              tiny_model_dir, monkeypatch):
+                                                                              tiny_model_dir, monkeypatch, caplog):
     from workers.kafka import groups
 
     admins = []
@@ -680,6 +680,12 @@ async def test_without_workers_health_is_503_and_a_request_times_out_with_504(ka
                 "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}) as s:
             lines = [line async for line in s.aiter_lines() if line.startswith("data: ")]
         assert s.status_code == 200 and '"code":504' in lines[-1], lines
+        # what an operator checks (the cluster, the topic prefix) is logged, not told the caller
+        for text in (r.text, lines[-1]):
+            assert "no result for request " in text and " within 1 s" in text, text
+            assert kafka_settings.bootstrap_servers not in text and kafka_settings.topic_prefix not in text, text
+        logged = [m for m in caplog.messages if "are a generate and a derender worker running" in m]
+        assert len(logged) == 2 and all(kafka_settings.bootstrap_servers in m for m in logged), caplog.messages
         bad = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400
         assert gateway.in_flight == 0

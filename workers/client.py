@@ -145,7 +145,7 @@ class GenpipeClient:
                 raise GenpipeUnavailable(
                     f"genpipe client: could not find where to read {self.reply_topic} from ({exc}): does every "
                     f"partition of it have a leader? (a broker of the cluster may be away; try again once it "
-                    f"is back)") from exc
+                    f"is back)", public_message="the results could not be read (a Kafka broker may be away)") from exc
             raise
         self._producer, self._consumer = producer, consumer
         self._closed = None
@@ -259,8 +259,9 @@ class GenpipeClient:
             why = "no acknowledgement" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
             raise GenpipeUnavailable(
                 f"Kafka at {self.settings.bootstrap_servers} did not take the {role} record of request "
-                f"{request_id} within {self.send_timeout_s:g} s ({why}); is it reachable?",
-                request_id=request_id) from exc
+                f"{request_id} within {self.send_timeout_s:g} s ({why}); is it reachable?", request_id=request_id,
+                public_message=f"Kafka did not take request {request_id} within {self.send_timeout_s:g} s: "
+                               f"genpipe cannot be reached now; retry later") from exc
 
     # --- receiving -------------------------------------------------------------------
 
@@ -302,7 +303,7 @@ class GenpipeClient:
                     yield message
                     continue
                 if message is TIMED_OUT:
-                    raise GenpipeTimeout(self._timeout_message(rid, timeout, filt.accepted), request_id=rid)
+                    raise self._timed_out(rid, timeout, filt.accepted)
                 if message is OVERFLOW:
                     raise GenpipeOverflow(self._overflow_message(rid, mailbox), request_id=rid)
                 if isinstance(message, _Closed):
@@ -376,7 +377,9 @@ class GenpipeClient:
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self._cancels_failed.log(
             "could not cancel %s: %s", request_id, t.exception()))
 
-    def _timeout_message(self, rid: str, timeout: float, received: int) -> str:
+    def _timed_out(self, rid: str, timeout: float, received: int) -> GenpipeTimeout:
+        what = (f"no result for request {rid} within {timeout:g} s" if received == 0 else
+                f"request {rid}: no further result within {timeout:g} s after {received} result record(s)")
         where = (f"are a generate and a derender worker running on topic prefix "
                  f"{self.settings.topic_prefix!r} (bootstrap {self.settings.bootstrap_servers})?")
         if received == 0:
@@ -386,9 +389,7 @@ class GenpipeClient:
                 where += (f" If the workers' --reply-topic-pattern does not allow {self.reply_topic!r}, or it "
                           f"refused the answer, the error is on {default!r}: `genpipe tail --topic results "
                           f"--from-beginning --request-id {rid} --until-final` shows it")
-            return f"no result for request {rid} within {timeout:g} s: {where}"
-        return (f"request {rid}: no further result within {timeout:g} s after {received} "
-                f"result record(s): {where}")
+        return GenpipeTimeout(f"{what}: {where}", request_id=rid, public_message=what)
 
     async def stream(self, request: GenerateRequest, *, timeout_s: float | None = None,
                      raise_errors: bool = True) -> AsyncIterator[Result | Restart]:

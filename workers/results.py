@@ -37,16 +37,21 @@ Result = ResultRecord  # what decode_result returns (schemas/openai.py)
 
 
 class GenpipeError(Exception):
-    """The pipeline answered the request with an OpenAI error object."""
+    """The pipeline answered the request with an OpenAI error object.
+
+    `public_message` is what the HTTP gateway shows its caller: `message` less what only an
+    operator needs (the bootstrap servers, the topic prefix, a `genpipe` command), which
+    the gateway logs instead. Most errors have nothing to hide: the same text."""
 
     def __init__(self, message: str, type: str = "server_error", *, code: int | str | None = None,
-                 param: str | None = None, request_id: str | None = None):
+                 param: str | None = None, request_id: str | None = None, public_message: str | None = None):
         super().__init__(message)
         self.message = message
         self.type = type
         self.code = code
         self.param = param
         self.request_id = request_id
+        self.public_message = message if public_message is None else public_message
 
     def __str__(self) -> str:
         return f"{self.type}: {self.message}"
@@ -55,8 +60,8 @@ class GenpipeError(Exception):
 class GenpipeTimeout(GenpipeError, TimeoutError):
     """No (further) result arrived for a request within the client's timeout."""
 
-    def __init__(self, message: str, *, request_id: str | None = None):
-        super().__init__(message, "timeout", request_id=request_id)
+    def __init__(self, message: str, *, request_id: str | None = None, public_message: str | None = None):
+        super().__init__(message, "timeout", request_id=request_id, public_message=public_message)
 
     def __str__(self) -> str:
         return self.message
@@ -76,8 +81,9 @@ class GenpipeOverflow(GenpipeError):
 class GenpipeUnavailable(GenpipeError, ConnectionError):
     """Kafka did not acknowledge a request (or a cancel) within the client's send timeout."""
 
-    def __init__(self, message: str, *, request_id: str | None = None):
-        super().__init__(message, "service_unavailable", code=503, request_id=request_id)
+    def __init__(self, message: str, *, request_id: str | None = None, public_message: str | None = None):
+        super().__init__(message, "service_unavailable", code=503, request_id=request_id,
+                         public_message=public_message)
 
     def __str__(self) -> str:
         return self.message

@@ -34,6 +34,7 @@ from workers.gateway.event_stream import EventStream, StallWatch
 from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
+from workers.log_digest import LogDigest
 from workers.mailbox import KEEPALIVE
 from workers.metrics import GATEWAY_RELAY, GATEWAY_REQUESTS, series, watch_gc_pauses
 
@@ -45,6 +46,7 @@ except ImportError:  # (no jinja2: no chat templates either)
 log = logging.getLogger(__name__)
 HEALTH_REUSE_S = 2.0  # a look at the worker groups answers /health this long
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}  # (the requests counter's label)
+READER_FAILED = "this gateway's reader of its reply topic failed (its log says why); restart it"
 _json = msgspec.json.Encoder()
 
 
@@ -94,6 +96,7 @@ class Gateway:
         self._health: asyncio.Future | None = None  # the last look at the worker groups (health)
         self._health_at = 0.0
         self.stall_watch = StallWatch(config.write_timeout_s)  # streams whose client stopped reading
+        self._errors_log = LogDigest(log, logging.WARNING, "requests answered 503/504")
         self.max_model_len = _max_model_len(config.tokenizer)
 
     async def start(self) -> None:
@@ -230,13 +233,12 @@ class Gateway:
             try:
                 results = self._results(done, choices)
             except GenpipeTimeout as exc:
-                return error_response(504, f"{exc} (a non-streamed answer comes whole when its request ends: "
-                                           f"give a longer one a timeout, or raise --answer-timeout)", "timeout")
+                return error_response(504, f"{self._told(exc)} (a non-streamed answer comes whole when its request "
+                                           f"ends: give a longer one a timeout, or raise --answer-timeout)", "timeout")
             except GenpipeError as exc:
-                return error_response(_http_status(exc.code), exc.message, exc.type, exc.param)
-            except Exception as exc:  # Kafka unreachable, the client stopped
-                log.error("request %s failed: %r", choices[0].request_id, exc)
-                return error_response(503, f"genpipe is unavailable: {exc}", "service_unavailable")
+                return error_response(_http_status(exc.code), self._told(exc), exc.type, exc.param)
+            except Exception as exc:  # the client's reader failed, it stopped
+                return error_response(503, self._unserved(exc, choices[0].request_id), "service_unavailable")
             return Response(_json.encode(merge_final(results, prompt_of)), media_type="application/json")
         finally:
             gone.cancel()
@@ -322,18 +324,34 @@ class Gateway:
             code = 504 if isinstance(exc, GenpipeTimeout) else exc.code
             # (a client that stopped reading went first, as one the stall watch gives up)
             status = 499 if isinstance(exc, GenpipeOverflow) else _http_status(code)
-            yield _event(error_body(exc.message, exc.type, exc.param, code))
-        except Exception as exc:  # Kafka unreachable, the client's reader failed: as a non-streamed 503
-            log.error("request %s failed: %r", choices[0].request_id, exc)
+            yield _event(error_body(self._told(exc), exc.type, exc.param, code))
+        except Exception as exc:  # the client's reader failed, it stopped: as a non-streamed 503
             cancel_rest(f"the HTTP stream failed: {str(exc)[:200]}")
             # (the stream was cut with no event before: the HTTP client saw a broken body)
             status = 503
-            yield _event(error_body(f"genpipe is unavailable: {exc}", "service_unavailable", code=503))
+            yield _event(error_body(self._unserved(exc, choices[0].request_id), "service_unavailable", code=503))
         finally:
             self.in_flight -= 1
             series(GATEWAY_REQUESTS, route, str(status)).inc()
             # the HTTP client went away, or the stream ended early
             cancel_rest("the HTTP stream ended before the request")
+
+    def _told(self, exc: GenpipeError) -> str:
+        """What the HTTP caller is told of an error: its public message. Where the full one
+        says more (Kafka's address, the topic prefix, what an operator should check: the
+        client's timeouts and unacknowledged sends), that goes to the log, a digest of it
+        in a flood. A caller is not the deployment's operator."""
+        if exc.public_message != exc.message:
+            self._errors_log.log("request %s: %s", exc.request_id, exc.message)
+        return exc.public_message
+
+    def _unserved(self, exc: BaseException, request_id: str) -> str:
+        """What the HTTP caller is told of a failure that is not the request's (the gateway's
+        reader of its reply topic failed, its client stopped): the exception is logged."""
+        log.error("request %s failed: %r", request_id, exc)
+        if self.client.reader_error is not None:
+            return f"genpipe is unavailable: {READER_FAILED}"
+        return "genpipe is unavailable: the gateway could not serve the request (its log says why)"
 
     async def _one(self, choice):
         """The records of a single-choice request as (0, record): straight from the
@@ -387,7 +405,7 @@ class Gateway:
         # Its body says what is wrong, the log where and why: a probe's body ends up in
         # load balancers' and dashboards' hands (it carried the bootstrap servers and the exception)
         if self.client.reader_error is not None:  # every request gets 503 until the gateway is restarted
-            return _unavailable("this gateway's reader of its reply topic failed (its log says why); restart it")
+            return _unavailable(READER_FAILED)
         loop = asyncio.get_running_loop()
         if self._health is None or (self._health.done() and loop.time() - self._health_at >= HEALTH_REUSE_S):
             # One look at the groups answers every call for a while: each call opened an
