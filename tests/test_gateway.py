@@ -240,6 +240,48 @@ async def test_the_stall_watch_gives_up_a_write_that_waits_not_a_stream_waiting_
     watch.close()
 
 
+async def test_a_stream_whose_client_went_before_its_headers_is_counted_once_by_its_response():
+    """A stream counts itself when its body's generator ends (`_events`). One whose client
+    went while its headers were being sent never ran that generator, so nothing counted
+    it: `EventStream.on_unstarted` is called then, and only then (ASGI 2.3: Starlette
+    listens for the disconnect beside the write, and cancels the write)."""
+    from workers.gateway.event_stream import EventStream, StallWatch
+
+    ran = []
+
+    async def events():
+        ran.append(True)
+        yield b"data: 1\n\n"
+
+    async def parked_send(message):  # the headers never leave: the client's socket is full
+        await asyncio.Event().wait()
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    watch, unstarted = StallWatch(60), []
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    never = EventStream(events(), watch, "never")
+    never.on_unstarted = lambda: unstarted.append("never")
+    await asyncio.wait_for(never(scope, gone, parked_send), 10)
+    assert unstarted == ["never"] and ran == []
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def reading():
+        await asyncio.Event().wait()  # (the client stays)
+
+    whole = EventStream(events(), watch, "whole")
+    whole.on_unstarted = lambda: unstarted.append("whole")
+    await asyncio.wait_for(whole(scope, reading, send), 10)
+    assert unstarted == ["never"] and ran == [True], "a stream that ran counts itself"
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b""]
+    watch.close()
+
+
 # --- real HTTP --------------------------------------------------------------------------------
 
 
