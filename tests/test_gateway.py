@@ -660,6 +660,59 @@ async def test_a_stream_whose_client_reads_nothing_is_given_up_and_frees_its_slo
 
 
 @pytest.mark.kafka
+async def test_a_stream_whose_client_fell_behind_ends_with_an_error_event_and_counts_as_gone(
+        kafka_settings, make_topics, tiny_model_dir, monkeypatch):
+    """--max-unread through HTTP: a client that stops reading while its request produces is
+    given up once that many records wait (the oldest for STALLED_AFTER_S) and its request
+    cancelled; when it reads again its stream ends with the error event that says so. It
+    counts as a client that went first (499), as one the stall watch gives up, not as the
+    error event's code (500): nothing failed in genpipe."""
+    import socket
+
+    import workers.mailbox
+    from schemas import Cancel
+    from tests.kafka_helpers import read_topic, wait_for
+    from workers.kafka.records import decode_message
+
+    monkeypatch.setattr(workers.mailbox, "STALLED_AFTER_S", 0.5)
+    await make_topics(kafka_settings, partitions=2)
+    # (the write timeout out of the way: the bound on unread records alone gives it up)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.002, write_timeout_s=300.0,
+                             send_buffer=4096, max_unread=8) as (base, gateway):
+        body = json.dumps({"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 100_000, "ignore_eos": True,
+                           "stream": True}).encode()
+        gone_before, failed_before = _requests("completions", 499), _requests("completions", 500)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window)
+        client.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        client.setblocking(False)
+        loop, received = asyncio.get_running_loop(), bytearray()
+        try:
+            await loop.sock_sendall(client, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                                            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            cancels = await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=60,
+                                       until=lambda records: len(records) >= 1)
+            assert "fell 8 result records behind" in decode_message(cancels[0], Cancel).reason
+            assert gateway.in_flight == 1  # (its writer still parked on the full socket)
+
+            async def read_to_the_end():  # (chunked: the last chunk is empty)
+                while not received.endswith(b"0\r\n\r\n"):
+                    data = await loop.sock_recv(client, 65536)
+                    assert data, "the connection closed before the stream ended"
+                    received.extend(data)
+
+            await asyncio.wait_for(read_to_the_end(), 60)
+            await wait_for(lambda: gateway.in_flight == 0, 30, "the stream to give its slot back")
+        finally:
+            client.close()
+    events = [line for line in bytes(received).split(b"\r\n") if line.startswith(b"data: ")]
+    last = json.loads(events[-1][len(b"data: "):])
+    assert last["error"]["code"] == 500 and "fell 8 result records behind" in last["error"]["message"], last
+    assert b"data: [DONE]" not in events
+    assert (_requests("completions", 499) - gone_before, _requests("completions", 500) - failed_before) == (1, 0)
+
+
+@pytest.mark.kafka
 async def test_an_idle_stream_gets_keep_alive_comments(kafka_settings, make_topics, tiny_model_dir):
     await make_topics(kafka_settings, partitions=2)
     async with running_stack(kafka_settings, tiny_model_dir, step_s=0.3, keepalive_s=0.05) as (base, _):
