@@ -201,6 +201,36 @@ def test_fan_out_results_merge_as_openai_does():
     assert total_usage([None, UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)], [0, 0]) is None
 
 
+def test_an_answer_that_may_outgrow_a_record_is_asked_for_streamed():
+    """Which non-streamed choices the gateway asks for streamed (and assembles): those
+    whose logprobs may not fit a result record. Text alone never is (a record per chunk
+    in place of one, for an answer that fits)."""
+    from workers.client import make_request
+    from workers.gateway.fanout import answer_may_outgrow, streamed_inside
+
+    mb = 1_000_000
+    assert not answer_may_outgrow(make_request([1] * 10, max_tokens=100_000), mb, None)
+    assert not answer_may_outgrow(make_request([1] * 10, kind="chat", max_tokens=None), mb, None)
+    assert not answer_may_outgrow(make_request([1], logprobs=5, max_tokens=16), mb, 4096)
+    # top 20 (21 candidates a position): ~370 positions fit the guess
+    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=300), mb, None)
+    assert answer_may_outgrow(make_request([1], logprobs=20, max_tokens=400), mb, None)
+    assert answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=400), mb, None)
+    # no max_tokens: the rest of the context, or unknown
+    assert not answer_may_outgrow(make_request([1] * 4000, kind="chat", logprobs=True, max_tokens=None), mb, 4096)
+    assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, 131072)
+    assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, None)
+    # echo: the prompt's positions too
+    assert answer_may_outgrow(make_request([1] * 300, logprobs=20, max_tokens=100, echo=True), mb, None)
+    assert not answer_may_outgrow(make_request([1] * 300, logprobs=20, max_tokens=100), mb, None)
+
+    request = make_request([1, 2], logprobs=3, max_tokens=7, model="m", echo=True)
+    inside = streamed_inside(request)
+    assert inside.output.stream and inside.output.include_usage and not inside.output.continuous_usage
+    assert (inside.request_id, inside.sampling, inside.output.echo, inside.output.top_logprobs) == (
+        request.request_id, request.sampling, True, 3)
+
+
 async def test_the_stall_watch_gives_up_a_write_that_waits_not_a_stream_waiting_for_its_first_token():
     """workers/gateway/event_stream.py on its own (a `send` stand-in for uvicorn's): a
     request queued longer than --write-timeout before its first token is not a client
@@ -319,9 +349,10 @@ async def serving_gateway(settings, tokenizer: str, send_buffer: int | None = No
 
 @contextlib.asynccontextmanager
 async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0, loaded_engine=None,
-                        **gateway_config):
+                        derender_config=None, **gateway_config):
     """Generate (the synthetic engine, or `loaded_engine`: the tiny model) and derender
-    workers and a gateway (`gateway_config`: more GatewayConfig fields), all in this process."""
+    workers (`derender_config`: more DerenderWorkerConfig fields) and a gateway
+    (`gateway_config`: more GatewayConfig fields), all in this process."""
     from workers.derender.service import DerenderWorkerConfig, run_derender_worker
 
     groups = gateway_config.get("worker_groups") or {}
@@ -334,7 +365,8 @@ async def running_stack(settings, tiny_model_dir, step_s=0.005, keepalive_s=15.0
     der_stop, der_ready = asyncio.Event(), asyncio.Event()
     der_task = asyncio.ensure_future(run_derender_worker(
         settings, DerenderWorkerConfig(tokenizer=str(tiny_model_dir), group_id=next(
-            (g for g, role in groups.items() if role == "derender"), f"{settings.topic_prefix}-derender")),
+            (g for g, role in groups.items() if role == "derender"), f"{settings.topic_prefix}-derender"),
+            **(derender_config or {})),
         stop=der_stop, on_ready=der_ready.set))
     await asyncio.wait_for(der_ready.wait(), 60)
     try:
@@ -530,6 +562,75 @@ async def test_prompt_logprobs_are_the_models_teacher_forced_logprobs(kafka_sett
                                                                 "prompt_logprobs": 1})
             assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
         assert gateway.in_flight == 0
+
+
+@pytest.mark.kafka
+async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_settings, make_topics,
+                                                                          tiny_model_dir, engine):
+    """A non-streamed answer comes in one result record: with logprobs, a few hundred
+    tokens passed the record limit, and the derender ended the request with a 400 telling
+    the caller to stream. The gateway now asks for such a request streamed and assembles
+    its records: the same answer a stream gives, whole. One that fits still comes in one
+    record. (A record limit of 20,000 bytes here stands for Kafka's ~1 MB.)"""
+    from tests.kafka_helpers import read_to_end
+    from schemas import GenerateRequest
+    from workers.client import GenpipeClient, make_request
+    from workers.kafka.records import decode_message
+
+    await make_topics(kafka_settings, partitions=2)
+    limit = 20_000
+    body = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 150, "ignore_eos": True, "temperature": 0,
+            "logprobs": 5, "echo": True}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 60,
+            "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    async with running_stack(kafka_settings, tiny_model_dir, loaded_engine=engine, max_record_bytes=limit,
+                             derender_config={"max_record_bytes": limit}) as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        whole = await http.post("/v1/completions", json=body)
+        assert whole.status_code == 200, whole.text
+        whole_chat = await http.post("/v1/chat/completions", json=chat)
+        assert whole_chat.status_code == 200, whole_chat.text
+        small = await http.post("/v1/completions", json={**body, "max_tokens": 3, "logprobs": 1, "echo": False})
+        assert small.status_code == 200, small.text
+        streamed = await _sse(http, "/v1/completions", {**body, "stream": True})
+        streamed_chat = await _sse(http, "/v1/chat/completions", {**chat, "stream": True})
+        # what the same request not streamed got before (the client library sends it so)
+        async with GenpipeClient(settings=kafka_settings) as client:
+            alone = await client.stream(make_request([1, 5, 6], max_tokens=150, ignore_eos=True, temperature=0,
+                                                     logprobs=5, echo=True), raise_errors=False).__anext__()
+    assert alone.error.code == 400 and "result too large" in alone.error.message, alone
+
+    (answer,), usage = whole.json()["choices"], whole.json()["usage"]
+    assert answer["finish_reason"] == "length" and usage["completion_tokens"] == 150
+    assert answer["text"] == "".join(e["choices"][0]["text"] for e in streamed if e["choices"])
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert answer["logprobs"][field] == [x for e in streamed if e["choices"]
+                                             for x in e["choices"][0]["logprobs"][field]], field
+    assert len(answer["logprobs"]["tokens"]) == 153  # the prompt's 3 positions (echo), then 150
+    assert len(whole.content) > limit and len(whole_chat.content) > limit
+    (message,) = whole_chat.json()["choices"]
+    assert message["message"] == {"role": "assistant", "content": "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in streamed_chat if e["choices"])}
+    assert message["logprobs"]["content"] == [x for e in streamed_chat if e["choices"]
+                                              for x in e["choices"][0]["logprobs"]["content"]]
+    assert len(message["logprobs"]["content"]) == 60 and whole_chat.json()["usage"]["completion_tokens"] == 60
+    # asked for as the client asked: streamed inside only where the answer may outgrow a record
+    asked = {decode_message(r, GenerateRequest).request_id: decode_message(r, GenerateRequest).output.stream
+             for r in await read_to_end(kafka_settings, kafka_settings.topic("requests"))}
+    for response, inside in ((whole, True), (whole_chat, True), (small, False)):
+        assert asked[response.json()["id"].split("-", 1)[1]] is inside
+
+
+async def _sse(http, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed request (without [DONE])."""
+    events = []
+    async with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    assert not any("error" in e for e in events), events
+    return events
 
 
 @pytest.mark.kafka

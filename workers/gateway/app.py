@@ -31,7 +31,7 @@ from schemas.openai import ErrorResponse
 from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
                             render_prompt)
 from workers.gateway.event_stream import EventStream, StallWatch
-from workers.gateway.fanout import merge_final, reindex, total_usage
+from workers.gateway.fanout import answer_may_outgrow, merge_final, reindex, streamed_inside, total_usage
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.log_digest import LogDigest
@@ -202,6 +202,10 @@ class Gateway:
                                 **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
+        if not parsed.stream and parsed.options.get("prompt_logprobs") is None:
+            # an answer whose logprobs may not fit one result record: streamed, assembled (fanout.py)
+            choices = [streamed_inside(c) if answer_may_outgrow(c, self.config.max_record_bytes, self.max_model_len)
+                       else c for c in choices]
         if parsed.stream:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
                                             parsed.options.get("continuous_usage", False), ROUTES[kind]),

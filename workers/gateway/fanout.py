@@ -4,6 +4,11 @@ OpenAI's rule: choice `index` = prompt index × n + sample index, every choice u
 HTTP request's one `id`; usage counts each prompt's tokens once and every choice's
 completion tokens. Each genpipe request answers with its own id and index 0; these
 functions put its records in the HTTP response's place.
+
+A choice not streamed whose answer may not fit one result record (its logprobs: top 20
+over a few hundred tokens pass Kafka's ~1 MB) is asked for streamed and its records
+assembled into the one answer (`answer_may_outgrow`, `streamed_inside`): the derender
+ended such a request with a 400 telling the caller to stream (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -11,6 +16,39 @@ from __future__ import annotations
 import msgspec
 
 from schemas.openai import UsageInfo
+from schemas.records import GenerateRequest
+
+# High guesses of what a token of an answer takes in its result, as JSON: its text (and
+# completions' offset), and per listed candidate (the token's own, and its top k) a
+# token, a logprob and, for chat, its bytes: ~55 bytes for a 3-character token in chat,
+# ~20-40 in a completion. Guessed high, an answer that would fit is only streamed inside.
+ANSWER_BYTES_PER_TOKEN = 16
+ANSWER_BYTES_PER_CANDIDATE = 128
+
+
+def answer_may_outgrow(request: GenerateRequest, limit: int, max_model_len: int | None) -> bool:
+    """Whether `request`'s answer in one record might pass `limit` bytes. Only one with
+    logprobs can: text alone takes ~4-16 bytes a token (1 MB is ~100k tokens), and
+    streaming every answer inside would cost a result record per chunk, not one."""
+    if request.sampling.logprobs is None:
+        return False
+    tokens = request.sampling.max_tokens
+    if tokens is None:  # to the end of the context
+        if max_model_len is None:
+            return True
+        tokens = max(0, max_model_len - len(request.prompt_token_ids))
+    if request.output.echo:  # (the prompt's tokens, with their logprobs, in front)
+        tokens += len(request.prompt_token_ids)
+    candidates = 1 + max(0, request.output.top_logprobs)
+    return tokens * (ANSWER_BYTES_PER_TOKEN + candidates * ANSWER_BYTES_PER_CANDIDATE) > limit
+
+
+def streamed_inside(request: GenerateRequest) -> GenerateRequest:
+    """`request` asked for streamed, with its usage at the end, for an answer assembled
+    from its records (`workers/results.py` `assemble`). Not for one with prompt logprobs:
+    streamed results have no such field."""
+    output = msgspec.structs.replace(request.output, stream=True, include_usage=True, continuous_usage=False)
+    return msgspec.structs.replace(request, output=output)
 
 
 def reindex(item, index: int, response_id: str):
