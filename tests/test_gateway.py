@@ -634,6 +634,56 @@ async def _sse(http, path: str, body: dict) -> list[dict]:
 
 
 @pytest.mark.kafka
+async def test_tokenize_and_detokenize_lend_the_deployments_tokenizer(kafka_settings, make_topics, tiny_model_dir):
+    """vLLM's /tokenize and /detokenize: a client that sends token ids (genpipe's own use)
+    gets them from the gateway's tokenizer and chat template, and the text of ids it got
+    back; what a generation request's text prompt becomes, id for id."""
+    from workers.client import load_tokenizer, render_chat, render_prompt
+
+    await make_topics(kafka_settings, partitions=1)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    text, messages = "Once upon a time, a fox", [{"role": "user", "content": "Hello there"}]
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="tok") as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        plain = (await http.post("/tokenize", json={"model": "tiny", "prompt": text})).json()
+        assert plain["tokens"] == render_prompt(tiny_model_dir, text) and plain["count"] == len(plain["tokens"])
+        assert plain["max_model_len"] == gateway.max_model_len and "token_strs" not in plain
+        bare = (await http.post("/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                   "return_token_strs": True})).json()
+        assert bare["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"] != plain["tokens"]
+        assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+        chat = (await http.post("/tokenize", json={"messages": messages})).json()
+        assert chat["tokens"] == render_chat(tiny_model_dir, messages)
+        opened = (await http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
+        assert opened["tokens"] != chat["tokens"]  # (without the template's "[assistant]:")
+        assert chat["tokens"][:len(opened["tokens"])] == opened["tokens"]
+        back = await http.post("/detokenize", json={"model": "tiny", "tokens": bare["tokens"]})
+        assert back.status_code == 200 and back.json() == {"prompt": text}
+
+        # every field hostile: a 400 (404 for another model) naming it, in OpenAI's shape
+        vocab = len(tokenizer)
+        for path, body, status, param, says in [
+                ("/tokenize", {"prompt": 5}, 400, "prompt", "prompt must be a string"),
+                ("/tokenize", {"messages": [{"content": "x"}]}, 400, "messages[0]", "with a role"),
+                ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs", "true or false"),
+                ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+                ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400, "add_special_tokens",
+                 "not supported"),
+                ("/tokenize", [1, 2], 400, "body", "JSON object"),
+                ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens", f"tokens[1] = {vocab} is not a token id"),
+                ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "tokens[1] = -1 is not a token id"),
+                ("/detokenize", {"tokens": [1, 2 ** 64]}, 400, "tokens", "64-bit integers"),
+                ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "64-bit integers"),
+                ("/detokenize", {}, 400, "tokens", "64-bit integers")]:
+            r = await http.post(path, json=body)
+            assert r.status_code == status, (path, body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and says in error["message"], (path, body, error)
+        r = await http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.kafka
 async def test_the_openai_sdk_works_against_the_gateway(kafka_settings, make_topics, tiny_model_dir):
     import openai
 

@@ -21,7 +21,8 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def _ids(result) -> list[int]:
+def ids_of(result) -> list[int]:
+    """A tokenizer's ids as a list of ints, whatever form its version returns."""
     # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True);
     # 4.x returns the list itself.
     if hasattr(result, "keys") and "input_ids" in result:
@@ -39,13 +40,13 @@ def render_chat(tokenizer_dir: str | Path, messages: Sequence[dict]) -> list[int
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template; "
                          f"send a plain prompt (render_prompt) instead")
-    return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+    return ids_of(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
 
 
 def render_prompt(tokenizer_dir: str | Path, text: str) -> list[int]:
     """Prompt ids of a completion prompt (with the tokenizer's special tokens, e.g. BOS)."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    return _ids(tokenizer(text)["input_ids"])
+    return ids_of(tokenizer(text)["input_ids"])
 
 
 def make_request(prompt_token_ids: Sequence[int], *, kind: str = "completion", request_id: str | None = None,

@@ -32,6 +32,7 @@ from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, Genpip
                             render_prompt)
 from workers.gateway.event_stream import EventStream, StallWatch
 from workers.gateway.fanout import answer_may_outgrow, merge_final, reindex, streamed_inside, total_usage
+from workers.gateway import tokenizing
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.log_digest import LogDigest
@@ -114,6 +115,8 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], lifespan=self._lifespan)
@@ -158,13 +161,9 @@ class Gateway:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         try:
-            body = msgspec.json.decode(await _read_body(request, self.config.max_body_bytes))
+            body = await self._json_body(request)
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
-        except msgspec.DecodeError as exc:
-            return error_response(400, f"the request body is not valid JSON: {exc}", param="body")
-        except RecursionError:  # msgspec gives up ~1,000 levels deep: a 500 before
-            return error_response(400, "the request body is nested too deeply", param="body")
         try:
             parsed = parse(body, kind, self.config.model_name, self.config.max_logprobs)
             if parsed.kind == "completion" and not any(isinstance(p, str) for p in parsed.prompts):
@@ -211,6 +210,15 @@ class Gateway:
                                             parsed.options.get("continuous_usage", False), ROUTES[kind]),
                                self.stall_watch, choices[0].request_id)
         return await self._complete(request, choices, prompt_of, max(self.config.answer_timeout_s, timeout or 0))
+
+    async def _json_body(self, request: Request):
+        """The request's body as JSON, at most --max-body-mib; else BadParameter (400, 413)."""
+        try:
+            return msgspec.json.decode(await _read_body(request, self.config.max_body_bytes))
+        except msgspec.DecodeError as exc:
+            raise BadParameter("body", f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:  # msgspec gives up ~1,000 levels deep: a 500 before
+            raise BadParameter("body", "the request body is nested too deeply") from None
 
     def _prompt_ids(self, parsed) -> list[list[int]]:
         try:
@@ -402,6 +410,27 @@ class Gateway:
             # vLLM's model card's fields, which tools built on it read
             "root": self.config.model_name, "parent": None, "max_model_len": self.max_model_len,
             "permission": []}]}), media_type="application/json")
+
+    # --- the tokenizer (vLLM's /tokenize and /detokenize: workers/gateway/tokenizing.py) ---
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            ask = tokenizing.parse_tokenize(await self._json_body(request), self.config.model_name)
+            ids, token_strs = await asyncio.to_thread(tokenizing.tokenize, self.config.tokenizer, ask)
+        except BadParameter as exc:
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
+        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if token_strs is not None:
+            answer["token_strs"] = token_strs
+        return Response(_json.encode(answer), media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            ids = tokenizing.parse_detokenize(await self._json_body(request), self.config.model_name)
+            text = await asyncio.to_thread(tokenizing.detokenize, self.config.tokenizer, ids)
+        except BadParameter as exc:
+            return error_response(exc.status, str(exc), exc.kind, exc.param)
+        return Response(_json.encode({"prompt": text}), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         from workers.kafka.groups import missing_workers

@@ -72,7 +72,8 @@ def register(sub) -> None:
     serve = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP gateway over the topics",
         description="Serve POST /v1/completions and /v1/chat/completions (streamed as server-sent events "
-                    "or not), GET /v1/models, /health and /metrics. Each HTTP request becomes a "
+                    "or not), GET /v1/models, /health and /metrics, and vLLM's POST /tokenize and /detokenize "
+                    "(the tokenizer and chat template, for clients that send token ids). Each HTTP request becomes a "
                     "GenerateRequest on <prefix>.requests; answers come from the results the derender "
                     "workers publish to this gateway's reply topic <prefix>.reply.<gateway-id> (created on "
                     "start). A client that disconnects cancels its request. Needs running generate and "

@@ -73,10 +73,7 @@ def parse(body: Any, kind: str, model_name: str, max_logprobs: int = 20) -> Pars
     if special is not None and special != (kind == "completion"):
         raise BadParameter("add_special_tokens", f"add_special_tokens {special!r} is not supported by genpipe for "
                                                  f"{'completions' if kind == 'completion' else 'chat completions'}")
-    model = _given(body, "model", model_name)
-    if model != model_name:
-        raise BadParameter("model", f"the model {str(model)[:200]!r} does not exist; this gateway serves "
-                                    f"{model_name!r}", status=404, kind="not_found_error")
+    check_model(body, model_name)
     parsed = Parsed(kind=kind, stream=_bool(body, "stream", False))
     opts = parsed.options
     opts["model"] = model_name
@@ -192,6 +189,14 @@ def _stop(value: Any) -> list[str]:
                 raise BadParameter("stop", f"stop strings must be 1..{MAX_STOP_CHARS} characters, got {len(s)}")
         return list(value)
     raise BadParameter("stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """A body that names another model than the gateway's is a 404 (OpenAI's, vLLM's)."""
+    model = _given(body, "model", model_name)
+    if model != model_name:
+        raise BadParameter("model", f"the model {str(model)[:200]!r} does not exist; this gateway serves "
+                                    f"{model_name!r}", status=404, kind="not_found_error")
 
 
 def _given(body: dict, name: str, default: Any) -> Any:
