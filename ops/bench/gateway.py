@@ -42,10 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -53,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench.gateway_latency import part_latency  # noqa: E402
-from ops.bench.gateway_procs import (GATEWAY_ID, LOG_DIR, ROOT, http_ok, kafka_args, log_has,  # noqa: E402
+from ops.bench.gateway_procs import (bench_broker, GATEWAY_ID, LOG_DIR, http_ok, kafka_args, log_has,  # noqa: E402
                                      raise_nofile, spawn, start_generate, stop, wait_for)
 from ops.bench.gateway_streams import part_streams  # noqa: E402
 from workers.kafka.settings import KafkaSettings  # noqa: E402
@@ -137,20 +134,9 @@ def main() -> None:
         args.streams, args.stream_tokens, args.stream_step_ms = 200, 10, 200.0
     soft, hard = raise_nofile()
     print(f"this process: RLIMIT_NOFILE soft {soft} -> {hard}")
-    broker = None
-    if args.bootstrap_servers is None:
-        broker = ["broker", "--port", str(args.broker_port), "--data-dir", str(Path(tempfile.gettempdir())
-                                                                              / f"gwbench-broker-{args.broker_port}")]
-        subprocess.run([sys.executable, "-m", "workers.cli", broker[0], "up", *broker[1:], "--controller-port",
-                        str(args.broker_port + 1)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        args.bootstrap_servers = f"127.0.0.1:{args.broker_port}"
-    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=f"gw-{uuid.uuid4().hex[:6]}")
-    try:
+    with bench_broker(args.bootstrap_servers, args.broker_port, "gwbench-broker") as bootstrap_servers:
+        settings = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=f"gw-{uuid.uuid4().hex[:6]}")
         asyncio.run(run(args, settings))
-    finally:
-        if broker is not None:
-            subprocess.run([sys.executable, "-m", "workers.cli", broker[0], "down", *broker[1:]], cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 if __name__ == "__main__":

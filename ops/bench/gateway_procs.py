@@ -4,6 +4,7 @@ subprocesses (`python -m workers.cli ...`, PYTHONPATH set), waits on conditions,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import signal
@@ -46,6 +47,23 @@ def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = No
     log = open(LOG_DIR / f"{name}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             cwd=root, env=env, start_new_session=True, preexec_fn=limit)
+
+
+@contextlib.contextmanager
+def bench_broker(bootstrap_servers: str | None, port: int, name: str):
+    """Yields `bootstrap_servers`, or one started here (`genpipe broker up` on `port`, its
+    controller on the next, data under /tmp/`name`-`port`) and stopped after."""
+    if bootstrap_servers is not None:
+        yield bootstrap_servers
+        return
+    broker = ["--port", str(port), "--data-dir", str(Path(tempfile.gettempdir()) / f"{name}-{port}")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "workers.cli", "broker", "up", *broker, "--controller-port", str(port + 1)],
+                   check=True, cwd=ROOT, env=env)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([sys.executable, "-m", "workers.cli", "broker", "down", *broker], cwd=ROOT, env=env)
 
 
 def kafka_args(settings: KafkaSettings) -> list[str]:
