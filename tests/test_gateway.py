@@ -212,17 +212,19 @@ def test_an_answer_that_may_outgrow_a_record_is_asked_for_streamed():
     assert not answer_may_outgrow(make_request([1] * 10, max_tokens=100_000), mb, None)
     assert not answer_may_outgrow(make_request([1] * 10, kind="chat", max_tokens=None), mb, None)
     assert not answer_may_outgrow(make_request([1], logprobs=5, max_tokens=16), mb, 4096)
-    # top 20 (21 candidates a position): ~370 positions fit the guess
-    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=300), mb, None)
-    assert answer_may_outgrow(make_request([1], logprobs=20, max_tokens=400), mb, None)
+    # top 20 (21 candidates a position): ~930 positions of a completion fit the guess, ~370 of a chat
+    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=900), mb, None)
+    assert answer_may_outgrow(make_request([1], logprobs=20, max_tokens=1000), mb, None)
+    assert not answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=300),
+                                  mb, None)
     assert answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=400), mb, None)
     # no max_tokens: the rest of the context, or unknown
     assert not answer_may_outgrow(make_request([1] * 4000, kind="chat", logprobs=True, max_tokens=None), mb, 4096)
     assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, 131072)
     assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, None)
     # echo: the prompt's positions too
-    assert answer_may_outgrow(make_request([1] * 300, logprobs=20, max_tokens=100, echo=True), mb, None)
-    assert not answer_may_outgrow(make_request([1] * 300, logprobs=20, max_tokens=100), mb, None)
+    assert answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200, echo=True), mb, None)
+    assert not answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200), mb, None)
 
     request = make_request([1, 2], logprobs=3, max_tokens=7, model="m", echo=True)
     inside = streamed_inside(request)

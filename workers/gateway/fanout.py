@@ -18,12 +18,15 @@ import msgspec
 from schemas.openai import UsageInfo
 from schemas.records import GenerateRequest
 
-# High guesses of what a token of an answer takes in its result, as JSON: its text (and
-# completions' offset), and per listed candidate (the token's own, and its top k) a
-# token, a logprob and, for chat, its bytes: ~55 bytes for a 3-character token in chat,
-# ~20-40 in a completion. Guessed high, an answer that would fit is only streamed inside.
-ANSWER_BYTES_PER_TOKEN = 16
-ANSWER_BYTES_PER_CANDIDATE = 128
+# High guesses of what a position of an answer takes in its result, as JSON (bytes), by
+# kind: the position itself (a completion's token, logprob and text offset; a chat's
+# text) and each candidate listed (the token's own, and its top k): a completion's
+# `"token": logprob` entry, a chat's object with the token's bytes. Measured: 79-163 bytes
+# a position for a completion at top 5, 434 for a chat (BENCHMARKS.md, "Answers too
+# large for a record"); the guesses are 1.8-4.5x those, so a guess past the limit mostly is,
+# and an answer switched that would have fit costs its gateway ~5x the CPU (a record a
+# chunk, not one), its derender ~1.75x.
+ANSWER_BYTES = {"completion": (64, 48), "chat": (16, 128)}  # (a position, a listed candidate)
 
 
 def answer_may_outgrow(request: GenerateRequest, limit: int, max_model_len: int | None) -> bool:
@@ -39,8 +42,8 @@ def answer_may_outgrow(request: GenerateRequest, limit: int, max_model_len: int 
         tokens = max(0, max_model_len - len(request.prompt_token_ids))
     if request.output.echo:  # (the prompt's tokens, with their logprobs, in front)
         tokens += len(request.prompt_token_ids)
-    candidates = 1 + max(0, request.output.top_logprobs)
-    return tokens * (ANSWER_BYTES_PER_TOKEN + candidates * ANSWER_BYTES_PER_CANDIDATE) > limit
+    position, candidate = ANSWER_BYTES[request.output.kind]
+    return tokens * (position + (1 + max(0, request.output.top_logprobs)) * candidate) > limit
 
 
 def streamed_inside(request: GenerateRequest) -> GenerateRequest:
