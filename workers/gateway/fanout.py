@@ -5,8 +5,8 @@ HTTP request's one `id`; usage counts each prompt's tokens once and every choice
 completion tokens. Each genpipe request answers with its own id and index 0; these
 functions put its records in the HTTP response's place.
 
-A choice not streamed whose answer may not fit one result record (its logprobs: top 20
-over a few hundred tokens pass Kafka's ~1 MB) is asked for streamed and its records
+A choice not streamed whose answer may not fit one result record (its logprobs: at top
+20, a chat's pass Kafka's ~1 MB at several hundred tokens) is asked for streamed and its records
 assembled into the one answer (`answer_may_outgrow`, `streamed_inside`): the derender
 ended such a request with a 400 telling the caller to stream (docs/design.md §9).
 """
