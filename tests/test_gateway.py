@@ -203,28 +203,25 @@ def test_fan_out_results_merge_as_openai_does():
 
 def test_an_answer_that_may_outgrow_a_record_is_asked_for_streamed():
     """Which non-streamed choices the gateway asks for streamed (and assembles): those
-    whose logprobs may not fit a result record. Text alone never is (a record per chunk
-    in place of one, for an answer that fits)."""
+    whose logprobs may not fit a result record by their max_tokens. Text alone never is
+    (a record per chunk in place of one, for an answer that fits), nor a request without
+    max_tokens (guessed to the end of a long context, every chat with logprobs would be)."""
     from workers.client import make_request
     from workers.gateway.fanout import answer_may_outgrow, streamed_inside
 
     mb = 1_000_000
-    assert not answer_may_outgrow(make_request([1] * 10, max_tokens=100_000), mb, None)
-    assert not answer_may_outgrow(make_request([1] * 10, kind="chat", max_tokens=None), mb, None)
-    assert not answer_may_outgrow(make_request([1], logprobs=5, max_tokens=16), mb, 4096)
+    assert not answer_may_outgrow(make_request([1] * 10, max_tokens=100_000), mb)
+    assert not answer_may_outgrow(make_request([1], logprobs=5, max_tokens=16), mb)
     # top 20 (21 candidates a position): ~930 positions of a completion fit the guess, ~370 of a chat
-    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=900), mb, None)
-    assert answer_may_outgrow(make_request([1], logprobs=20, max_tokens=1000), mb, None)
-    assert not answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=300),
-                                  mb, None)
-    assert answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=400), mb, None)
-    # no max_tokens: the rest of the context, or unknown
-    assert not answer_may_outgrow(make_request([1] * 4000, kind="chat", logprobs=True, max_tokens=None), mb, 4096)
-    assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, 131072)
-    assert answer_may_outgrow(make_request([1] * 10, kind="chat", logprobs=True, max_tokens=None), mb, None)
+    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=900), mb)
+    assert answer_may_outgrow(make_request([1], logprobs=20, max_tokens=1000), mb)
+    assert not answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=300), mb)
+    assert answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=400), mb)
+    assert answer_may_outgrow(make_request([1], kind="chat", logprobs=True, max_tokens=10_000), mb)
+    assert not answer_may_outgrow(make_request([1], kind="chat", logprobs=True, top_logprobs=20, max_tokens=None), mb)
     # echo: the prompt's positions too
-    assert answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200, echo=True), mb, None)
-    assert not answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200), mb, None)
+    assert answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200, echo=True), mb)
+    assert not answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200), mb)
 
     request = make_request([1, 2], logprobs=3, max_tokens=7, model="m", echo=True)
     inside = streamed_inside(request)
@@ -572,55 +569,98 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
     """A non-streamed answer comes in one result record: with logprobs, a few hundred
     tokens passed the record limit, and the derender ended the request with a 400 telling
     the caller to stream. The gateway now asks for such a request streamed and assembles
-    its records: the same answer a stream gives, whole. One that fits still comes in one
-    record. (A record limit of 20,000 bytes here stands for Kafka's ~1 MB.)"""
-    from tests.kafka_helpers import read_to_end
-    from schemas import GenerateRequest
+    its records: the answer the one record gives, whole, and one too large for a record
+    comes too, within --max-answer-mib. One that fits its guess still comes in one record.
+    (Record limits of 5,000 bytes for the gateway's guess and 20,000 for the derender
+    stand for Kafka's ~1 MB.)"""
+    import msgspec
+
+    from schemas import Cancel, GenerateRequest
+    from tests.kafka_helpers import read_to_end, read_topic
     from workers.client import GenpipeClient, make_request
     from workers.kafka.records import decode_message
 
     await make_topics(kafka_settings, partitions=2)
     limit = 20_000
-    body = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 150, "ignore_eos": True, "temperature": 0,
-            "logprobs": 5, "echo": True}
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 60,
-            "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 5}
-    async with running_stack(kafka_settings, tiny_model_dir, loaded_engine=engine, max_record_bytes=limit,
-                             derender_config={"max_record_bytes": limit}) as (base, gateway), \
-            httpx.AsyncClient(base_url=base, timeout=60) as http:
-        whole = await http.post("/v1/completions", json=body)
-        assert whole.status_code == 200, whole.text
-        whole_chat = await http.post("/v1/chat/completions", json=chat)
-        assert whole_chat.status_code == 200, whole_chat.text
-        small = await http.post("/v1/completions", json={**body, "max_tokens": 3, "logprobs": 1, "echo": False})
-        assert small.status_code == 200, small.text
-        streamed = await _sse(http, "/v1/completions", {**body, "stream": True})
-        streamed_chat = await _sse(http, "/v1/chat/completions", {**chat, "stream": True})
-        # what the same request not streamed got before (the client library sends it so)
-        async with GenpipeClient(settings=kafka_settings) as client:
-            alone = await client.stream(make_request([1, 5, 6], max_tokens=150, ignore_eos=True, temperature=0,
-                                                     logprobs=5, echo=True), raise_errors=False).__anext__()
-    assert alone.error.code == 400 and "result too large" in alone.error.message, alone
+    medium = dict(prompt_token_ids=[1, 5, 6], max_tokens=40, ignore_eos=True, temperature=0, logprobs=5, echo=True)
+    large = {**medium, "max_tokens": 300}  # ~50 kB as one record (~160 bytes a position)
+    chat = dict(kind="chat", max_tokens=120, ignore_eos=True, temperature=0, logprobs=True, top_logprobs=5)
 
-    (answer,), usage = whole.json()["choices"], whole.json()["usage"]
-    assert answer["finish_reason"] == "length" and usage["completion_tokens"] == 150
-    assert answer["text"] == "".join(e["choices"][0]["text"] for e in streamed if e["choices"])
-    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        assert answer["logprobs"][field] == [x for e in streamed if e["choices"]
-                                             for x in e["choices"][0]["logprobs"][field]], field
-    assert len(answer["logprobs"]["tokens"]) == 153  # the prompt's 3 positions (echo), then 150
-    assert len(whole.content) > limit and len(whole_chat.content) > limit
+    def http_body(options: dict) -> dict:
+        body = {k: v for k, v in options.items() if k not in ("prompt_token_ids", "kind")}
+        return {"model": "tiny", "prompt": options["prompt_token_ids"], **body}
+
+    async with running_stack(kafka_settings, tiny_model_dir, loaded_engine=engine, max_record_bytes=5_000,
+                             max_answer_bytes=200_000, derender_config={"max_record_bytes": limit}) \
+            as (base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        # the one-record path, as the client library sends a request
+        async with GenpipeClient(settings=kafka_settings) as client:
+            one_record = await client.complete(make_request(**medium, model="tiny"))
+            async with contextlib.aclosing(client.stream(make_request(**large, model="tiny"),
+                                                         raise_errors=False)) as results:
+                too_large = await results.__anext__()
+        switched = await http.post("/v1/completions", json=http_body(medium))
+        whole = await http.post("/v1/completions", json=http_body(large))
+        whole_chat = await http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello there"}],
+            **{k: v for k, v in chat.items() if k != "kind"}})
+        small = await http.post("/v1/completions", json={**http_body(medium), "max_tokens": 3, "logprobs": 1,
+                                                         "echo": False})
+        streamed_chat = await _sse(http, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello there"}],
+            **{k: v for k, v in chat.items() if k != "kind"}, "stream": True})
+        # --max-answer-mib: the request's records all told (8 × ~50 kB past 200 kB), then 400
+        over = await http.post("/v1/completions", json={**http_body(large), "n": 8})
+        assert gateway.in_flight == 0
+
+    # the switched answer is the one record's, field for field (but its id and time)
+    assert switched.status_code == 200, switched.text
+    got, expected = ({k: v for k, v in answer.items() if k not in ("id", "created")}
+                     for answer in (switched.json(), msgspec.to_builtins(one_record)))
+    assert got == expected and got["choices"][0]["logprobs"]["tokens"], (got, expected)
+    # one too large for a record: the derender's 400 on the one-record path, whole here
+    assert too_large.error.code == 400 and "result too large" in too_large.error.message, too_large
+    assert whole.status_code == 200, whole.text
+    (answer,) = whole.json()["choices"]
+    assert answer["finish_reason"] == "length" and whole.json()["usage"]["completion_tokens"] == 300
+    assert len(answer["logprobs"]["tokens"]) == 303 and len(whole.content) > limit  # (echo: the prompt's 3)
+    assert answer["logprobs"]["text_offset"] == sorted(answer["logprobs"]["text_offset"])
     (message,) = whole_chat.json()["choices"]
     assert message["message"] == {"role": "assistant", "content": "".join(
         e["choices"][0]["delta"].get("content") or "" for e in streamed_chat if e["choices"])}
     assert message["logprobs"]["content"] == [x for e in streamed_chat if e["choices"]
                                               for x in e["choices"][0]["logprobs"]["content"]]
-    assert len(message["logprobs"]["content"]) == 60 and whole_chat.json()["usage"]["completion_tokens"] == 60
+    assert len(message["logprobs"]["content"]) == 120 and whole_chat.json()["usage"]["completion_tokens"] == 120
+    assert small.status_code == 200 and len(small.json()["choices"][0]["logprobs"]["tokens"]) == 3
+    assert over.status_code == 400 and "--max-answer-mib" in over.json()["error"]["message"], over.text
     # asked for as the client asked: streamed inside only where the answer may outgrow a record
-    asked = {decode_message(r, GenerateRequest).request_id: decode_message(r, GenerateRequest).output.stream
-             for r in await read_to_end(kafka_settings, kafka_settings.topic("requests"))}
-    for response, inside in ((whole, True), (whole_chat, True), (small, False)):
+    requests = [decode_message(r, GenerateRequest)
+                for r in await read_to_end(kafka_settings, kafka_settings.topic("requests"))]
+    asked = {r.request_id: r.output.stream for r in requests}
+    for response, inside in ((switched, True), (whole, True), (whole_chat, True), (small, False)):
         assert asked[response.json()["id"].split("-", 1)[1]] is inside
+    # and the choices of the request over the budget were cancelled (the one that passed it, the rest)
+    over_ids = {r.request_id for r in requests if r.sampling.max_tokens == 300 and r.output.stream} - {
+        whole.json()["id"].split("-", 1)[1]}
+    assert len(over_ids) == 8
+    await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30, until=lambda records: over_ids <= {
+        decode_message(r, Cancel).request_id for r in records})
+
+
+@pytest.mark.kafka
+async def test_a_switched_answer_is_waited_for_as_long_as_one_record(kafka_settings, make_topics, tiny_model_dir):
+    """--answer-timeout bounds a non-streamed answer whole; asked for streamed inside, its
+    records each came within it and the answer ran on for as long as generation did. It
+    gets the one record's 504, and is cancelled."""
+    await make_topics(kafka_settings, partitions=2)
+    async with running_stack(kafka_settings, tiny_model_dir, step_s=0.05, answer_timeout_s=1.0,
+                             max_record_bytes=5_000) as (base, gateway), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        body = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 100, "ignore_eos": True, "logprobs": 5}  # ~5 s
+        r = await http.post("/v1/completions", json=body)
+        # (its records came every 50 ms: only a deadline on the whole answer gives 504)
+        assert r.status_code == 504 and "within 1 s" in r.json()["error"]["message"], r.text
+        assert gateway.in_flight == 0
 
 
 async def _sse(http, path: str, body: dict) -> list[dict]:
@@ -671,6 +711,10 @@ async def test_tokenize_and_detokenize_lend_the_deployments_tokenizer(kafka_sett
                 ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
                 ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400, "add_special_tokens",
                  "not supported"),
+                ("/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"}, 400, "chat_template",
+                 "not supported"),
+                ("/tokenize", {"messages": messages, "continue_final_message": True}, 400,
+                 "continue_final_message", "not supported"),
                 ("/tokenize", [1, 2], 400, "body", "JSON object"),
                 ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens", f"tokens[1] = {vocab} is not a token id"),
                 ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "tokens[1] = -1 is not a token id"),

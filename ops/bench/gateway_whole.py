@@ -77,6 +77,14 @@ async def phase(args, port: int, gateway_pid: int, derender_pid: int) -> dict:
 async def run(args, settings: KafkaSettings) -> None:
     from workers.broker.topics import create_topics
 
+    from workers.client import make_request
+    from workers.gateway.fanout import answer_may_outgrow
+    from workers.kafka.settings import MAX_RECORD_BYTES
+
+    workload = make_request([5, 6, 7], max_tokens=args.max_tokens, logprobs=args.logprobs)
+    if answer_may_outgrow(workload, MAX_RECORD_BYTES) or not answer_may_outgrow(workload, args.switch_below):
+        raise SystemExit(f"the workload must be switched by one gateway only: raise --max-tokens or --logprobs, "
+                         f"or lower --switch-below ({args.switch_below})")
     await create_topics(settings, partitions=2)
     generate = start_generate(settings, args.step_ms, 64, "generate-whole")
     derender = spawn("derender", ["derender-worker", "--log-level", "INFO", *kafka_args(settings)])

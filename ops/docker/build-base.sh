@@ -14,6 +14,7 @@
 set -euo pipefail
 
 IMAGE="${1:-${GENPIPE_BASE_IMAGE:-genpipe/debian:bookworm}}"
+PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"  # (debootstrap is in /usr/sbin: not on a user's PATH on Debian)
 
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   echo "base image $IMAGE: present"
@@ -47,7 +48,9 @@ MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 ROOTFS="$(mktemp -d /tmp/genpipe-rootfs.XXXXXX)"
 trap '$SUDO rm -rf "$ROOTFS"' EXIT
 echo "base image $IMAGE: debootstrap --variant=minbase bookworm from $MIRROR"
-$SUDO debootstrap --variant=minbase bookworm "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1 || {
+# (sudo resets the environment: a proxy the mirror needs is handed on)
+$SUDO env "http_proxy=${http_proxy:-}" "https_proxy=${https_proxy:-}" "no_proxy=${no_proxy:-}" \
+  debootstrap --variant=minbase bookworm "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1 || {
   tail -n 20 "$ROOTFS.log" >&2; rm -f "$ROOTFS.log"
   echo "error: debootstrap failed" >&2; exit 1; }
 rm -f "$ROOTFS.log"

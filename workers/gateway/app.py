@@ -28,8 +28,8 @@ from starlette.routing import Route
 
 from schemas.codec import encode
 from schemas.openai import ErrorResponse
-from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request, render_chat,
-                            render_prompt)
+from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, assemble, make_request,
+                            raise_for_error, render_chat, render_prompt)
 from workers.gateway.event_stream import EventStream, StallWatch
 from workers.gateway.fanout import answer_may_outgrow, merge_final, reindex, streamed_inside, total_usage
 from workers.gateway import tokenizing
@@ -71,6 +71,9 @@ class GatewayConfig:
     # and <prefix>-derender, their default --group-id
     worker_groups: dict[str, str] | None = None
     max_record_bytes: int = MAX_RECORD_BYTES  # a request record larger: 413 (the workers' --max-record-bytes)
+    # The result records a non-streamed request's choices asked for streamed inside may
+    # hold, all told (fanout.py): past it, a 400
+    max_answer_bytes: int = 16 << 20
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -175,9 +178,8 @@ class Gateway:
             _check_context(prompts, self.max_model_len, "messages" if parsed.kind == "chat" else "prompt")
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
-        if self.in_flight >= self.config.max_in_flight:
-            return error_response(429, f"this gateway has {self.in_flight} requests open, its limit "
-                                       f"(--max-in-flight); retry later", "rate_limit_error")
+        if (busy := self._busy()) is not None:
+            return busy
         # Choice index = prompt index × n + sample index; a seeded request gives each
         # choice its own seed (seed + index), so n > 1 does not repeat one sample.
         try:
@@ -203,13 +205,20 @@ class Gateway:
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if not parsed.stream and parsed.options.get("prompt_logprobs") is None:
             # an answer whose logprobs may not fit one result record: streamed, assembled (fanout.py)
-            choices = [streamed_inside(c) if answer_may_outgrow(c, self.config.max_record_bytes, self.max_model_len)
-                       else c for c in choices]
+            choices = [streamed_inside(c) if answer_may_outgrow(c, self.config.max_record_bytes) else c
+                       for c in choices]
         if parsed.stream:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
                                             parsed.options.get("continuous_usage", False), ROUTES[kind]),
                                self.stall_watch, choices[0].request_id)
         return await self._complete(request, choices, prompt_of, max(self.config.answer_timeout_s, timeout or 0))
+
+    def _busy(self) -> Response | None:
+        """429 at --max-in-flight open requests."""
+        if self.in_flight < self.config.max_in_flight:
+            return None
+        return error_response(429, f"this gateway has {self.in_flight} requests open, its limit "
+                                   f"(--max-in-flight); retry later", "rate_limit_error")
 
     async def _json_body(self, request: Request):
         """The request's body as JSON, at most --max-body-mib; else BadParameter (400, 413)."""
@@ -231,9 +240,13 @@ class Gateway:
     async def _complete(self, request: Request, choices: list, prompt_of: list[int], timeout_s: float) -> Response:
         """A non-streamed request: one JSON answer. A client that goes away cancels it. Its
         one result record comes when it ends: waited for `timeout_s` (with --timeout, a
-        stream's wait between two records, every answer longer than that got 504)."""
+        stream's wait between two records, every answer longer than that got 504). A choice
+        asked for streamed inside (fanout.py) is assembled (`_assembled`)."""
         self.in_flight += 1
-        done = asyncio.ensure_future(asyncio.gather(*(self.client.complete(c, timeout_s=timeout_s) for c in choices)))
+        budget = [self.config.max_answer_bytes]
+        waits = [asyncio.ensure_future(self._assembled(c, timeout_s, budget) if c.output.stream
+                                       else self.client.complete(c, timeout_s=timeout_s)) for c in choices]
+        done = asyncio.gather(*waits)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -254,9 +267,37 @@ class Gateway:
             return Response(_json.encode(merge_final(results, prompt_of)), media_type="application/json")
         finally:
             gone.cancel()
-            if not done.done():
-                done.cancel()
+            for wait in waits:  # (a choice failed: the others' reading stops now, not at their end)
+                wait.cancel()
             self.in_flight -= 1
+
+    async def _assembled(self, choice, timeout_s: float, budget: list[int]):
+        """A choice asked for streamed inside: its records assembled into its one answer, in
+        the one-record path's bounds: the whole answer within `timeout_s` (504; a record's
+        wait alone let an answer run for ever), and the request's records, all told, at
+        most --max-answer-mib (`budget`, shared by its choices; past it a 400, its choices
+        cancelled): held to the end, an answer of any size took the gateway's memory."""
+        rid, items = choice.request_id, []
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with contextlib.aclosing(self.client.records(choice, timeout_s=timeout_s)) as records:
+                    async for record in records:  # (left early: `_results` cancels the request)
+                        budget[0] -= len(record.raw)
+                        if budget[0] < 0:
+                            raise GenpipeError(
+                                f"request {rid}: the answer passed {self.config.max_answer_bytes} bytes "
+                                f"(--max-answer-mib): ask for fewer tokens, logprobs or choices, or stream",
+                                "invalid_request_error", code=400, request_id=rid)
+                        raise_for_error(record.value, rid)
+                        if record.restart:  # (a generate worker died: its new attempt's records from here)
+                            items.clear()
+                        items.append(record.value)
+        except GenpipeTimeout:
+            raise
+        except TimeoutError:
+            raise GenpipeTimeout(f"no whole answer for request {rid} within {timeout_s:g} s",
+                                 request_id=rid) from None
+        return assemble(items)
 
     def _results(self, done: asyncio.Future, choices: list) -> list:
         try:
@@ -414,22 +455,35 @@ class Gateway:
     # --- the tokenizer (vLLM's /tokenize and /detokenize: workers/gateway/tokenizing.py) ---
 
     async def tokenize(self, request: Request) -> Response:
+        return await self._lend(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._lend(request, self._detokenize)
+
+    async def _lend(self, request: Request, work) -> Response:
+        """The tokenizer's endpoints count as open requests (--max-in-flight: a flood of
+        16 MiB prompts took the threads a generation request's text prompt waits for)."""
+        if (busy := self._busy()) is not None:
+            return busy
+        self.in_flight += 1
         try:
-            ask = tokenizing.parse_tokenize(await self._json_body(request), self.config.model_name)
-            ids, token_strs = await asyncio.to_thread(tokenizing.tokenize, self.config.tokenizer, ask)
+            return await work(await self._json_body(request))
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
+        finally:
+            self.in_flight -= 1
+
+    async def _tokenize(self, body) -> Response:
+        ask = tokenizing.parse_tokenize(body, self.config.model_name)
+        ids, token_strs = await asyncio.to_thread(tokenizing.tokenize, self.config.tokenizer, ask)
         answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if token_strs is not None:
             answer["token_strs"] = token_strs
         return Response(_json.encode(answer), media_type="application/json")
 
-    async def detokenize(self, request: Request) -> Response:
-        try:
-            ids = tokenizing.parse_detokenize(await self._json_body(request), self.config.model_name)
-            text = await asyncio.to_thread(tokenizing.detokenize, self.config.tokenizer, ids)
-        except BadParameter as exc:
-            return error_response(exc.status, str(exc), exc.kind, exc.param)
+    async def _detokenize(self, body) -> Response:
+        ids = tokenizing.parse_detokenize(body, self.config.model_name)
+        text = await asyncio.to_thread(tokenizing.detokenize, self.config.tokenizer, ids)
         return Response(_json.encode({"prompt": text}), media_type="application/json")
 
     async def health(self, request: Request) -> Response:

@@ -55,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
         gateway_id=args.gateway_id, max_in_flight=args.max_in_flight, max_logprobs=args.max_logprobs,
         timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
-        worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes))
+        worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes,
+        max_answer_bytes=args.max_answer_mib << 20))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -104,6 +105,11 @@ def register(sub) -> None:
                        help="largest request body in MiB; a larger one gets 413 and is not kept in memory, so "
                             "one client cannot take the gateway's memory (default %(default)s; a request record "
                             "on the topics holds ~1 MB)")
+    serve.add_argument("--max-answer-mib", type=at_least(1), default=16,
+                       help="a non-streamed request whose logprobs may not fit one Kafka record (~1 MB) is "
+                            "streamed inside the pipeline and its answer assembled here: its result records "
+                            "may hold this many MiB all told, or it gets 400 and is cancelled, so one request "
+                            "cannot take the gateway's memory (default %(default)s)")
     serve.add_argument("--write-timeout", type=at_least(1.0, float), default=60.0,
                        help="seconds a stream waits for its HTTP client to take bytes (its socket's buffers "
                             "full) before the stream is given up: the request cancelled and its --max-in-flight "

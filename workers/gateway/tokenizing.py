@@ -20,8 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.gateway.params import BadParameter, _bool, _ids, _messages, check_model
+from workers.gateway.params import UNSUPPORTED, BadParameter, _bool, _ids, _messages, check_model
 from workers.requests import ids_of, load_tokenizer
+
+try:
+    from jinja2 import TemplateError  # what a chat template raises to refuse messages
+except ImportError:  # (no jinja2: no chat templates either)
+    TemplateError = ValueError
+
+# vLLM's fields that change the ids: refused by name (as the generation endpoints refuse
+# them), a client would get other ids than it asked for; add_generation_prompt is taken
+REFUSED = ("chat_template", "chat_template_kwargs", "continue_final_message", "tools")
 
 
 @dataclass
@@ -38,6 +47,9 @@ def parse_tokenize(body: Any, model_name: str) -> Tokenize:
     if not isinstance(body, dict):
         raise BadParameter("body", "the request body must be a JSON object")
     check_model(body, model_name)
+    for name in REFUSED:
+        if name in body and UNSUPPORTED[name](body[name]):
+            raise BadParameter(name, f"{name} is not supported by genpipe")
     token_strs = _bool(body, "return_token_strs", False)
     if body.get("messages") is not None:
         if _bool(body, "add_special_tokens", False):  # (refused for a chat's generation too: params.py)
@@ -70,9 +82,7 @@ def tokenize(tokenizer_dir: str, ask: Tokenize) -> tuple[list[int], list[str] | 
                 ask.messages, add_generation_prompt=ask.add_generation_prompt, tokenize=True))
         else:
             ids = ids_of(tokenizer(ask.text, add_special_tokens=ask.add_special_tokens)["input_ids"])
-    except BadParameter:
-        raise
-    except Exception as exc:  # a template that refuses the messages (jinja's raise_exception)
+    except (ValueError, TemplateError) as exc:  # a template that refuses the messages (raise_exception)
         raise BadParameter("messages" if ask.messages is not None else "prompt", str(exc)[:500]) from None
     return ids, (tokenizer.convert_ids_to_tokens(ids) if ask.return_token_strs else None)
 
