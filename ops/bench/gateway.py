@@ -50,8 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench.gateway_latency import part_latency  # noqa: E402
-from ops.bench.gateway_procs import (bench_broker, GATEWAY_ID, LOG_DIR, http_ok, kafka_args, log_has,  # noqa: E402
-                                     raise_nofile, spawn, start_generate, stop, wait_for)
+from ops.bench.gateway_procs import (GATEWAY_ID, LOG_DIR, add_broker_arguments, bench_broker,  # noqa: E402
+                                     http_ok, kafka_args, log_has, raise_nofile, spawn, start_generate, stop,
+                                     wait_for)
 from ops.bench.gateway_streams import part_streams  # noqa: E402
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 
@@ -106,8 +107,7 @@ async def run(args, settings: KafkaSettings) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bootstrap-servers", help="an existing broker (default: start one on --broker-port)")
-    parser.add_argument("--broker-port", type=int, default=29492, help="controller on the next port")
+    add_broker_arguments(parser, 29492)
     parser.add_argument("--port", type=int, default=18471, help="the gateway's HTTP port")
     parser.add_argument("--parts", nargs="+", default=["latency", "streams"], choices=["latency", "streams"])
     parser.add_argument("--gateway-nofile", type=lambda t: tuple(int(x) for x in t.split(",")) + (None,) * (

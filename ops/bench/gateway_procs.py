@@ -49,6 +49,12 @@ def spawn(name: str, args: list[str], nofile: tuple[int, int | None] | None = No
                             cwd=root, env=env, start_new_session=True, preexec_fn=limit)
 
 
+def add_broker_arguments(parser, default_port: int) -> None:
+    """--bootstrap-servers, or --broker-port for one started here (`bench_broker`)."""
+    parser.add_argument("--bootstrap-servers", help="an existing broker (default: start one on --broker-port)")
+    parser.add_argument("--broker-port", type=int, default=default_port, help="controller on the next port")
+
+
 @contextlib.contextmanager
 def bench_broker(bootstrap_servers: str | None, port: int, name: str):
     """Yields `bootstrap_servers`, or one started here (`genpipe broker up` on `port`, its

@@ -30,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ops.bench.gateway_procs import (bench_broker, LOG_DIR, http_ok, kafka_args, log_has, pct, proc_stats,  # noqa: E402
-                                     spawn, start_generate, stop, wait_for)
+from ops.bench.gateway_procs import (LOG_DIR, add_broker_arguments, bench_broker, http_ok,  # noqa: E402
+                                     kafka_args, log_has, pct, proc_stats, spawn, start_generate, stop,
+                                     wait_for)
 from workers.kafka.settings import KafkaSettings  # noqa: E402
 
 SIDES = ("one record", "streamed inside")
@@ -127,8 +128,7 @@ async def run(args, settings: KafkaSettings) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bootstrap-servers", help="an existing broker (default: start one on --broker-port)")
-    parser.add_argument("--broker-port", type=int, default=29472, help="controller on the next port")
+    add_broker_arguments(parser, 29472)
     parser.add_argument("--port", type=int, default=18491, help="the gateways' HTTP ports: this and the next")
     parser.add_argument("--requests", type=int, default=64, help="non-streamed requests a phase")
     parser.add_argument("--concurrency", type=int, default=8)
