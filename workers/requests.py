@@ -13,6 +13,11 @@ import msgspec
 
 from schemas import GenerateRequest, OutputOptions, SamplingParams
 
+try:
+    from jinja2 import TemplateError  # what a chat template raises to refuse messages
+except ImportError:  # (no jinja2: no chat templates either)
+    TemplateError = ValueError
+
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(tokenizer_dir: str):

@@ -38,11 +38,7 @@ from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.log_digest import LogDigest
 from workers.mailbox import KEEPALIVE
 from workers.metrics import GATEWAY_RELAY, GATEWAY_REQUESTS, series, watch_gc_pauses
-
-try:
-    from jinja2 import TemplateError  # what a chat template raises to refuse messages
-except ImportError:  # (no jinja2: no chat templates either)
-    TemplateError = ValueError
+from workers.requests import TemplateError
 
 log = logging.getLogger(__name__)
 HEALTH_REUSE_S = 2.0  # a look at the worker groups answers /health this long

@@ -21,12 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.gateway.params import UNSUPPORTED, BadParameter, _bool, _ids, _messages, check_model
-from workers.requests import ids_of, load_tokenizer
-
-try:
-    from jinja2 import TemplateError  # what a chat template raises to refuse messages
-except ImportError:  # (no jinja2: no chat templates either)
-    TemplateError = ValueError
+from workers.requests import TemplateError, ids_of, load_tokenizer
 
 # vLLM's fields that change the ids: refused by name (as the generation endpoints refuse
 # them), a client would get other ids than it asked for; add_generation_prompt is taken
