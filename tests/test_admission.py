@@ -11,11 +11,12 @@ from workers.generate.admission import WaitingQueue
 @dataclass
 class Item:
     request: GenerateRequest
+    tier: int = 0
 
 
-def item(rid, priority=0, deadline_ms=None, prompt=3):
+def item(rid, priority=0, deadline_ms=None, prompt=3, tier=0):
     return Item(GenerateRequest(request_id=rid, prompt_token_ids=[1] * prompt, priority=priority,
-                                deadline_ms=deadline_ms))
+                                deadline_ms=deadline_ms), tier)
 
 
 def drain(queue):
@@ -134,6 +135,19 @@ def test_engines_queue_beyond_their_batch_by_priority_then_arrival():
     assert [i.request.request_id for i in queue] == ["d", "e", "a", "c", "b"]
 
 
+def test_engines_queue_beyond_their_batch_interactive_before_bulk_within_a_priority():
+    from collections import deque
+
+    from workers.generate.admission import queue_by_priority
+
+    queue = deque()
+    for i in [item("bulk", tier=1), item("bulk-urgent", -1, tier=1), item("late", 3), item("chat"),
+              item("bulk-due", 0, 10, tier=1), item("chat-due", 0, 20)]:
+        queue_by_priority(queue, i)
+    # priority first; then interactive before bulk, even one with a deadline
+    assert [i.request.request_id for i in queue] == ["bulk-urgent", "chat-due", "chat", "bulk-due", "bulk", "late"]
+
+
 def test_the_model_engine_and_the_synthetic_one_start_a_better_request_first():
     from schemas import SamplingParams
     from workers.generate.scheduler import Scheduler, Sequence
@@ -154,3 +168,33 @@ def test_the_model_engine_and_the_synthetic_one_start_a_better_request_first():
     for r in requests:
         scheduler.add(Sequence(r, max_output=1))
     assert [p.seq.request_id for p in scheduler.schedule().prefills] == ["high"]
+
+
+def test_the_engines_start_an_interactive_request_before_a_bulk_one_handed_earlier():
+    """The worker hands an engine up to a quarter of a batch beyond its rows: a bulk
+    request handed while no interactive one waited must not take the next free row from
+    an interactive one handed after it (through the engine process's pipe:
+    tests/test_engine_process.py)."""
+    from schemas import SamplingParams
+    from workers.generate.scheduler import Scheduler, Sequence
+    from workers.generate.synthetic import SyntheticEngine
+
+    def req(rid, max_tokens=1):
+        return GenerateRequest(request_id=rid, prompt_token_ids=[1], sampling=SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True))
+
+    handed = [("running", 0), ("bulk", 1), ("chat", 0)]
+    engine = SyntheticEngine(step_s=0.0, max_batch=1, vocab_size=100)
+    for rid, tier in handed:
+        engine.add(req(rid), tier=tier)
+    order = []
+    while engine.has_work():
+        order += [o.request_id for o in engine.step() if o.finish_reason]
+    assert order == ["running", "chat", "bulk"]
+
+    scheduler = Scheduler(max_rows=1, prefill_chunk=8)
+    for rid, tier in handed[1:]:
+        seq = Sequence(req(rid), max_output=1)
+        seq.tier = tier
+        scheduler.add(seq)
+    assert [p.seq.request_id for p in scheduler.schedule().prefills] == ["chat"]

@@ -34,11 +34,13 @@ def admission_key(priority: int, tier: int, deadline_ms: int | None, arrival: in
 
 
 def queue_by_priority(queue, item) -> None:
-    """Put `item` (it has `.request`) into an engine's small waiting queue (a list or
-    deque) after every item that ranks before or with it: the engines run the few
-    requests the worker hands them beyond a batch in priority order too, arrival order
-    among equals (docs/design.md §4, "Scheduling")."""
-    bisect.insort_right(queue, item, key=lambda x: (x.request.priority, _deadline(x.request)))
+    """Put `item` (it has `.request` and `.tier`) into an engine's small waiting queue (a
+    list or deque) after every item that ranks before or with it: the engines run the few
+    requests the worker hands them beyond a batch by the worker's rule too, interactive
+    before bulk within a priority, arrival order among equals (docs/design.md §4,
+    "Scheduling"). Without the tier a bulk request handed before an interactive one of the
+    same priority took the next free row first."""
+    bisect.insort_right(queue, item, key=lambda x: (x.request.priority, x.tier, _deadline(x.request)))
 
 
 def _deadline(request) -> float:

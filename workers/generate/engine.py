@@ -94,10 +94,11 @@ class Engine:
 
     # --- any thread ----------------------------------------------------------------
 
-    def add(self, request: GenerateRequest, *, validated: bool = False) -> None:
-        """Validate (unless the caller did: `validated`) and queue; the next step() admits
-        it. Raises ValidationError (an id already running: always)."""
-        self._inbox.add(request, validated=validated, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+    def add(self, request: GenerateRequest, *, validated: bool = False, tier: int = 0) -> None:
+        """Validate (unless the caller did: `validated`) and queue, by priority and `tier`
+        (0 interactive, 1 bulk); the next step() admits it. Raises ValidationError (an id
+        already running: always)."""
+        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
                         max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -171,6 +172,7 @@ class Engine:
         for item in self._inbox.take():
             if item[0] == "add":
                 seq = self._new_sequence(item[1])
+                seq.tier = item[2]
                 self._seqs[seq.request_id] = seq
                 self.scheduler.add(seq)
                 if seq.request.deadline_ms is not None:

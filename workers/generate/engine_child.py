@@ -233,7 +233,7 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
             message = decode_to_child(commands.recv_bytes())
             if isinstance(message, Add):
                 try:
-                    thread.add(message.request, validated=True)  # by the parent, against our limits
+                    thread.add(message.request, validated=True, tier=message.tier)  # (validated by the parent)
                 except ValidationError as exc:  # a duplicate id
                     log.warning("engine refused %s: %s", message.request.request_id, exc)
             elif isinstance(message, Abort):

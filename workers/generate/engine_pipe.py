@@ -23,6 +23,7 @@ from workers.generate.outputs import StepOutputs
 
 class Add(msgspec.Struct, tag=True):
     request: GenerateRequest
+    tier: int = 0  # 0 interactive, 1 bulk: its place in the engine's waiting queue
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -108,12 +108,13 @@ class EngineProcess:
         """Raises schemas ValidationError for a request the engine would refuse."""
         validate_request(request, **self.limits)
 
-    def add(self, request, *, validated: bool = False) -> None:
+    def add(self, request, *, validated: bool = False, tier: int = 0) -> None:
         """Validate here (raises schemas ValidationError; skipped when the caller has:
-        `validated`) and queue it in the child, which does not validate it again."""
+        `validated`) and queue it in the child, which does not validate it again. `tier`:
+        0 interactive, 1 bulk."""
         if not validated:
             self.validate(request)
-        self._send(Add(request))
+        self._send(Add(request, tier))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._send(Abort(request_id, reason))

@@ -56,10 +56,10 @@ class EngineThread:
         """Raises schemas ValidationError for a request the engine would refuse."""
         validate_request(request, **engine_limits(self.engine))
 
-    def add(self, request, *, validated: bool = False) -> None:
+    def add(self, request, *, validated: bool = False, tier: int = 0) -> None:
         """Validate (unless the caller did: `validated`) and queue (raises schemas
-        ValidationError); the thread admits it next step."""
-        self.engine.add(request, validated=validated)
+        ValidationError); the thread admits it next step. `tier`: 0 interactive, 1 bulk."""
+        self.engine.add(request, validated=validated, tier=tier)
         self._wake.set()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

@@ -17,22 +17,23 @@ from schemas.validation import validate_request
 class Inbox:
     def __init__(self):
         self._lock = threading.Lock()
-        self._items: list[tuple] = []  # ("add", request) | ("abort", request_id, reason)
+        self._items: list[tuple] = []  # ("add", request, tier) | ("abort", request_id, reason)
         # accepted and not yet finished, by id: the request, so that the end of an attempt
         # aborted and added again while it stepped forgets only itself (`finished`)
         self._known: dict[str, GenerateRequest] = {}
 
-    def add(self, request: GenerateRequest, *, validated: bool = False, **limits) -> None:
+    def add(self, request: GenerateRequest, *, validated: bool = False, tier: int = 0, **limits) -> None:
         """Validate against `limits` (validate_request's), unless the caller did (`validated`:
         a request is checked once on its way, not at every hop; a long prompt costs ~45 ns an
-        id each time), and queue. Raises ValidationError, for a running id in any case."""
+        id each time), and queue. `tier`: 0 interactive, 1 bulk (admission.py). Raises
+        ValidationError, for a running id in any case."""
         if not validated:
             validate_request(request, **limits)
         with self._lock:
             if request.request_id in self._known:
                 raise ValidationError(f"request_id {request.request_id!r} is already running", field="request_id")
             self._known[request.request_id] = request
-            self._items.append(("add", request))
+            self._items.append(("add", request, tier))
 
     def abort(self, request_id: str, reason: str) -> None:
         with self._lock:

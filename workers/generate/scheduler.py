@@ -50,6 +50,7 @@ class Sequence:
     prompt_logprobs: list | None = None
     sent_first: bool = False
     uid: int = 0  # unique per engine, never reused (unlike id())
+    tier: int = 0  # 0 interactive, 1 bulk: its place in the waiting queue (admission.py)
     # The request's, as attributes rather than properties: read for every row of a step.
     request_id: str = field(init=False)
     prompt: list[int] = field(init=False)

@@ -72,6 +72,7 @@ class _Running:
     produced: int = 0
     first: bool = True
     stop_ids: frozenset = field(default_factory=frozenset)
+    tier: int = 0  # 0 interactive, 1 bulk (admission.py)
 
 
 class SyntheticEngine:
@@ -97,8 +98,8 @@ class SyntheticEngine:
 
     # --- any thread ----------------------------------------------------------------
 
-    def add(self, request: GenerateRequest, *, validated: bool = False) -> None:
-        self._inbox.add(request, validated=validated, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
+    def add(self, request: GenerateRequest, *, validated: bool = False, tier: int = 0) -> None:
+        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
                         max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -192,7 +193,7 @@ class SyntheticEngine:
                 max_tokens = request.sampling.max_tokens
                 queue_by_priority(self._waiting, _Running(
                     request, room if max_tokens is None else min(max_tokens, room),
-                    stop_ids=frozenset(request.sampling.stop_token_ids)))
+                    stop_ids=frozenset(request.sampling.stop_token_ids), tier=item[2]))
                 if request.deadline_ms is not None:
                     self._deadlines[request.request_id] = request.deadline_ms
             else:

@@ -178,8 +178,9 @@ class GenerateHandler(Handler):
             if tier is None:
                 break
             state = self.waiting.pop(tier)
+            bulk = state.tp.topic == self.bulk_topic
             try:
-                self.engine.add(state.request, validated=True)  # by `handle`
+                self.engine.add(state.request, validated=True, tier=int(bulk))  # (validated by `handle`)
             except ValidationError as exc:  # e.g. the id is still ending in the engine
                 series(REQUESTS, W, "error").inc()  # (counted "accepted" on its way in: this is how it ends)
                 series(ERRORS, W).inc()
@@ -188,7 +189,7 @@ class GenerateHandler(Handler):
             self.inflight[state.request.request_id] = state
             if state.request.deadline_ms is not None:
                 self._deadlines[state.request.request_id] = state.request.deadline_ms
-            self.bulk_running += state.tp.topic == self.bulk_topic
+            self.bulk_running += bulk
             self._idle.clear()
         series(IN_FLIGHT, W).set(len(self.inflight))
         series(WAITING, W).set(len(self.waiting))
