@@ -135,6 +135,39 @@ async def test_rows_kept_free_of_bulk_work_let_an_interactive_request_start_at_o
     assert finals[0] == "chat", f"a bulk request ended first: {finals[:3]}"
 
 
+async def test_a_bulk_request_handed_to_the_engine_first_waits_for_an_interactive_one_handed_after_it(
+        kafka_settings, make_topics):
+    """The worker hands the engine up to a quarter of a batch beyond its rows, best first
+    as it reads them; a bulk request it handed while no interactive one waited sits in the
+    engine's queue, and an interactive request handed after it must still take the next
+    free row (the worker hands each request's tier with it)."""
+    from prometheus_client import REGISTRY
+
+    def in_flight() -> float:
+        return REGISTRY.get_sample_value("genpipe_in_flight_requests", {"worker": "generate"}) or 0
+
+    await make_topics(kafka_settings, partitions=1)
+    # 8 rows, 2 more handed beyond them; the running requests end one by one, the first
+    # after ~2 s at 10 ms steps, well after both others are handed
+    running = [req(f"long-{i}", 200 + 40 * i) for i in range(8)]
+    stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
+                                    synthetic_step_s=0.01, max_batch=8)
+    try:
+        await send(kafka_settings, running)
+        await first_chunk_of(kafka_settings, [r.request_id for r in running])
+        await send(kafka_settings, [req("bulk", 2)], role="requests.bulk")
+        await wait_for(lambda: in_flight() == 9, timeout=30, what="the bulk request handed to the engine")
+        await send(kafka_settings, [req("chat", 2)])
+        await wait_for(lambda: in_flight() == 10, timeout=30, what="the chat request handed to the engine")
+        records = await read_topic(kafka_settings, kafka_settings.topic("chunks"), timeout=60,
+                                   until=chunks_finished(["bulk", "chat"]))
+    finally:
+        await stop_worker(stop, task, timeout=120)
+    finals = [c.request_id for c in finals_in_order(records)]
+    assert finals[0] == "long-0", f"a row freed before both were handed: {finals}"
+    assert finals.index("chat") < finals.index("bulk"), finals
+
+
 async def test_a_request_stopped_and_read_again_at_once_runs_again_whole(kafka_settings, make_topics):
     """With the round-robin assignor every rebalance stops the running requests and reads
     their partitions again from the commit; a partition that comes back to the same worker
