@@ -3,9 +3,11 @@ broker with real generate (synthetic engine) and derender workers and the openai
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
+import logging
 
 import httpx
 import pytest
@@ -1023,6 +1025,41 @@ async def test_a_non_streamed_answer_longer_than_the_stream_timeout_is_waited_fo
         assert r.json()["usage"]["completion_tokens"] == 60
         r = await http.post("/v1/completions", json=long)
         assert r.status_code == 504  # (--answer-timeout 1 s: the request's own timeout raised it above)
+
+
+@pytest.mark.kafka
+async def test_serve_max_model_len_is_the_context_the_gateway_checks_and_reports(kafka_settings, make_topics,
+                                                                                  tiny_model_dir, caplog, tmp_path):
+    """Generate workers run with `--max-model-len` below the model's: the gateway takes
+    the same flag, refuses a prompt that long itself, and /v1/models and /tokenize report
+    it (they gave the model's 2048, or null for a tokenizer directory without config.json,
+    where vLLM always gives a number)."""
+    import shutil
+
+    from workers.gateway.commands import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--max-model-len", "40"]).max_model_len == 40
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-model-len", "0"])
+
+    await make_topics(kafka_settings, partitions=1)
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="ctx", max_model_len=40) as (
+            base, gateway), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        assert (await http.get("/v1/models")).json()["data"][0]["max_model_len"] == 40
+        assert (await http.post("/tokenize", json={"prompt": "a fox"})).json()["max_model_len"] == 40
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 40})
+        assert r.status_code == 400 and "40 tokens but the model's context is 40" in r.json()["error"]["message"]
+
+    from workers.gateway.app import Gateway, GatewayConfig
+
+    bare = tmp_path / "tokenizer-only"  # (a tokenizer directory without the model's config.json)
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="workers.gateway.app"):
+        assert Gateway(kafka_settings, GatewayConfig(tokenizer=str(bare))).max_model_len is None
+    assert "pass --max-model-len" in caplog.text
+    assert Gateway(kafka_settings, GatewayConfig(tokenizer=str(bare), max_model_len=64)).max_model_len == 64
 
 
 @pytest.mark.kafka

@@ -70,6 +70,9 @@ class GatewayConfig:
     # The result records a non-streamed request's choices asked for streamed inside may
     # hold, all told (fanout.py): past it, a 400
     max_answer_bytes: int = 16 << 20
+    # The deployment's context length (the generate workers' --max-model-len); None: the
+    # tokenizer directory's config.json, if it says
+    max_model_len: int | None = None
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -97,7 +100,11 @@ class Gateway:
         self._health_at = 0.0
         self.stall_watch = StallWatch(config.write_timeout_s)  # streams whose client stopped reading
         self._errors_log = LogDigest(log, logging.WARNING, "requests answered 503/504")
-        self.max_model_len = _max_model_len(config.tokenizer)
+        self.max_model_len = config.max_model_len or _max_model_len(config.tokenizer)
+        if self.max_model_len is None:
+            log.warning("the model's context length is unknown (%s/config.json does not say it): prompts are not "
+                        "checked against it here, and /v1/models and /tokenize give null; pass --max-model-len",
+                        config.tokenizer)
 
     async def start(self) -> None:
         from workers.broker.topics import ensure_topic

@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
         worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes,
-        max_answer_bytes=args.max_answer_mib << 20))
+        max_answer_bytes=args.max_answer_mib << 20, max_model_len=args.max_model_len))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -121,6 +121,11 @@ def register(sub) -> None:
                        help="seconds a non-streamed request waits for its answer, which comes whole when the "
                             "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
                             "header X-Request-Timeout) raises it (default %(default)s)")
+    serve.add_argument("--max-model-len", type=at_least(1), default=os.environ.get("GENPIPE_MAX_MODEL_LEN"),
+                       help="the served context length in tokens, as the generate workers' --max-model-len: a "
+                            "prompt this long or longer gets 400 here, and /v1/models and /tokenize report it "
+                            "(env GENPIPE_MAX_MODEL_LEN; default: max_position_embeddings in the --tokenizer "
+                            "directory's config.json)")
     add_log_level(serve)
     add_max_logprobs(serve)
     add_worker_group_options(serve)
