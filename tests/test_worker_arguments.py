@@ -149,7 +149,7 @@ def test_event_loop_factory_takes_uvloop_and_says_when_it_is_missing(monkeypatch
         event_loop_factory("uvloop")
 
 
-def test_the_demo_hands_its_whole_kafka_connection_to_the_commands_it_starts(monkeypatch):
+def test_the_demo_hands_its_whole_kafka_connection_to_the_commands_it_starts(monkeypatch, tls_files):
     """`genpipe demo --security-protocol SASL_SSL --sasl-... --ssl-cafile ...` passed only
     --bootstrap-servers and --topic-prefix to its workers and gateway: the security
     options reached the demo's own client, and the workers could not log in. They go in
@@ -161,14 +161,15 @@ def test_the_demo_hands_its_whole_kafka_connection_to_the_commands_it_starts(mon
         monkeypatch.delenv(name)
     args = parse(["demo", "--bootstrap-servers", "k1:9093", "--topic-prefix", "acme", "--security-protocol",
                   "SASL_SSL", "--sasl-mechanism", "SCRAM-SHA-512", "--sasl-username", "u", "--sasl-password", "p",
-                  "--ssl-cafile", "/ca.pem"])
+                  "--ssl-cafile", str(tls_files["cert"]), "--ssl-password", "pw"])
     settings = KafkaSettings.from_args(args, client_id="genpipe-demo")
     children_env = Children(settings).env
     for name, value in children_env.items():
         if name.startswith("GENPIPE_"):
             monkeypatch.setenv(name, value)
     worker = KafkaSettings.from_args(parse(["derender-worker"]), client_id="genpipe-demo")
-    assert worker == settings and worker.sasl_plain_password == "p" and worker.ssl_cafile == "/ca.pem"
+    assert worker == settings and worker.sasl_plain_password == "p" and worker.ssl_cafile == str(tls_files["cert"])
+    assert worker.ssl_password == "pw"
 
 
 def test_submit_chat_takes_only_a_chat_role_in_front():
@@ -203,3 +204,77 @@ def test_connection_settings_never_show_the_password():
 
     settings = KafkaSettings(sasl_plain_username="u", sasl_plain_password="s3cret")
     assert "s3cret" not in repr(settings) and "sasl_plain_username='u'" in repr(settings)
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """A self-signed certificate, its key encrypted with the passphrase "secret", and the
+    same key unencrypted (openssl, as the secure test broker makes its own)."""
+    import subprocess
+
+    files = {"cert": tmp_path / "client.crt", "encrypted": tmp_path / "encrypted.key", "key": tmp_path / "plain.key"}
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=genpipe-test",
+                    "-keyout", str(files["encrypted"]), "-out", str(files["cert"]), "-passout", "pass:secret"],
+                   check=True, capture_output=True, timeout=60)
+    subprocess.run(["openssl", "pkey", "-in", str(files["encrypted"]), "-passin", "pass:secret", "-out",
+                    str(files["key"])], check=True, capture_output=True, timeout=60)
+    return files
+
+
+def test_an_encrypted_client_key_without_its_passphrase_is_one_line_not_a_prompt(tls_files):
+    """OpenSSL asked for the passphrase on the terminal, once per Kafka client a command
+    made (a worker under a terminal waited there), and without one failed with "[Errno
+    22] Invalid argument". It is a usage error now, at the command's start; the
+    passphrase comes from --ssl-password or GENPIPE_SSL_PASSWORD."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENPIPE_")}
+    argv = [sys.executable, "-m", "workers.cli", "tail", "--bootstrap-servers", "127.0.0.1:1", "--security-protocol",
+            "SSL", "--ssl-certfile", str(tls_files["cert"]), "--ssl-keyfile", str(tls_files["encrypted"])]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
+                         start_new_session=True, cwd=Path(__file__).resolve().parents[1])  # (no terminal)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"genpipe tail: error: --ssl-certfile {tls_files['cert']} --ssl-keyfile {tls_files['encrypted']}: the "
+        f"private key is encrypted: give its passphrase with --ssl-password (env GENPIPE_SSL_PASSWORD)"], out.stderr
+
+
+def test_tls_files_a_command_cannot_use_are_named_at_its_start(tls_files, monkeypatch, tmp_path):
+    from workers.kafka.settings import KafkaSettings
+    from workers.startup import UsageError
+
+    for name in [n for n in os.environ if n.startswith("GENPIPE_")]:
+        monkeypatch.delenv(name)
+    tls = ["--security-protocol", "SSL"]
+    cert, encrypted = str(tls_files["cert"]), str(tls_files["encrypted"])
+    good = KafkaSettings.from_args(parse(["tail", *tls, "--ssl-cafile", cert, "--ssl-certfile", cert,
+                                          "--ssl-keyfile", encrypted, "--ssl-password", "secret"]))
+    assert good.client_kwargs()["ssl_context"] is not None
+    assert "secret" not in repr(good) and good.to_env()["GENPIPE_SSL_PASSWORD"] == "secret"
+    assert KafkaSettings.from_args(parse(["tail", *tls, "--ssl-certfile", cert, "--ssl-keyfile",
+                                          str(tls_files["key"])])).ssl_password is None
+    monkeypatch.setenv("GENPIPE_SSL_PASSWORD", "secret")  # (as the demo hands it to its children)
+    assert KafkaSettings.from_args(parse(["tail", *tls, "--ssl-certfile", cert, "--ssl-keyfile", encrypted]))
+    monkeypatch.delenv("GENPIPE_SSL_PASSWORD")
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    for argv, message in [
+        (["--ssl-cafile", str(tmp_path / "missing.pem")],
+         f"--ssl-cafile {tmp_path / 'missing.pem'}: not a readable PEM file of CA certificates (No such file"),
+        (["--ssl-cafile", str(garbage)], f"--ssl-cafile {garbage}: not a readable PEM file of CA certificates"),
+        (["--ssl-certfile", cert, "--ssl-keyfile", encrypted, "--ssl-password", "wrong"],
+         f"--ssl-certfile {cert} --ssl-keyfile {encrypted}: cannot load the client certificate and its key"),
+        (["--ssl-certfile", str(garbage)], f"--ssl-certfile {garbage}: cannot load the client certificate"),
+        (["--ssl-keyfile", encrypted], f"--ssl-keyfile {encrypted} is given without --ssl-certfile"),
+    ]:
+        with pytest.raises(UsageError) as err:
+            KafkaSettings.from_args(parse(["tail", *tls, *argv]))
+        assert str(err.value).startswith(message), str(err.value)
+    wrong = parse(["tail", *tls, "--ssl-certfile", cert, "--ssl-keyfile", encrypted, "--ssl-password", "wrong"])
+    with pytest.raises(UsageError, match="or a wrong --ssl-password"):
+        KafkaSettings.from_args(wrong)
+    # (not checked, nor needed, without TLS)
+    assert KafkaSettings.from_args(parse(["tail", "--ssl-cafile", str(garbage)])).ssl_cafile == str(garbage)

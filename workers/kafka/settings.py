@@ -39,6 +39,7 @@ class KafkaSettings:
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    ssl_password: str | None = field(default=None, repr=False)  # the key file's passphrase
     extra: dict = field(default_factory=dict)
 
     def topic(self, role: str) -> str:
@@ -61,12 +62,39 @@ class KafkaSettings:
             kwargs["sasl_plain_username"] = self.sasl_plain_username
             kwargs["sasl_plain_password"] = self.sasl_plain_password
         if self.security_protocol in ("SSL", "SASL_SSL"):
-            context = ssl.create_default_context(cafile=self.ssl_cafile)
-            if self.ssl_certfile:
-                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
-            kwargs["ssl_context"] = context
+            kwargs["ssl_context"] = self.ssl_context()
         kwargs.update(self.extra)
         return kwargs
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context of `--security-protocol SSL / SASL_SSL`. A file it cannot use is
+        a UsageError naming the option and the file: it was a bare "[Errno 2] No such file
+        or directory" or "[SSL] PEM lib". An encrypted key without `ssl_password` is one
+        too: OpenSSL's own fallback prompted for the passphrase on the terminal, once per
+        Kafka client a command makes, and without a terminal failed with "Invalid argument"."""
+        from workers.startup import UsageError
+
+        try:
+            context = ssl.create_default_context(cafile=self.ssl_cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise UsageError(f"--ssl-cafile {self.ssl_cafile}: not a readable PEM file of CA certificates "
+                             f"({_reason(exc)})") from None
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise UsageError(f"--ssl-keyfile {self.ssl_keyfile} is given without --ssl-certfile, its certificate")
+        if self.ssl_certfile:
+            files = f"--ssl-certfile {self.ssl_certfile}" + (f" --ssl-keyfile {self.ssl_keyfile}"
+                                                              if self.ssl_keyfile else "")
+            try:
+                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile,
+                                        password=self.ssl_password if self.ssl_password else _no_passphrase)
+            except _KeyEncrypted:
+                raise UsageError(f"{files}: the private key is encrypted: give its passphrase with "
+                                 f"--ssl-password (env GENPIPE_SSL_PASSWORD)") from None
+            except (OSError, ssl.SSLError) as exc:
+                raise UsageError(f"{files}: cannot load the client certificate and its key ({_reason(exc)}: a "
+                                 f"missing file, not PEM, a key that is not the certificate's"
+                                 f"{', or a wrong --ssl-password' if self.ssl_password else ''})") from None
+        return context
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> "KafkaSettings":
@@ -81,13 +109,14 @@ class KafkaSettings:
             ssl_cafile=env.get("GENPIPE_SSL_CAFILE") or None,
             ssl_certfile=env.get("GENPIPE_SSL_CERTFILE") or None,
             ssl_keyfile=env.get("GENPIPE_SSL_KEYFILE") or None,
+            ssl_password=env.get("GENPIPE_SSL_PASSWORD") or None,
         )
 
     _ENV = (("GENPIPE_BOOTSTRAP_SERVERS", "bootstrap_servers"), ("GENPIPE_TOPIC_PREFIX", "topic_prefix"),
             ("GENPIPE_SECURITY_PROTOCOL", "security_protocol"), ("GENPIPE_SASL_MECHANISM", "sasl_mechanism"),
             ("GENPIPE_SASL_USERNAME", "sasl_plain_username"), ("GENPIPE_SASL_PASSWORD", "sasl_plain_password"),
             ("GENPIPE_SSL_CAFILE", "ssl_cafile"), ("GENPIPE_SSL_CERTFILE", "ssl_certfile"),
-            ("GENPIPE_SSL_KEYFILE", "ssl_keyfile"))
+            ("GENPIPE_SSL_KEYFILE", "ssl_keyfile"), ("GENPIPE_SSL_PASSWORD", "ssl_password"))
 
     def to_env(self) -> dict[str, str]:
         """These settings as the GENPIPE_* variables `from_env` reads: how a command hands
@@ -120,11 +149,18 @@ class KafkaSettings:
                            help="env GENPIPE_SASL_PASSWORD")
         group.add_argument("--ssl-cafile", default=env.ssl_cafile, help="env GENPIPE_SSL_CAFILE")
         group.add_argument("--ssl-certfile", default=env.ssl_certfile, help="env GENPIPE_SSL_CERTFILE")
-        group.add_argument("--ssl-keyfile", default=env.ssl_keyfile, help="env GENPIPE_SSL_KEYFILE")
+        group.add_argument("--ssl-keyfile", default=env.ssl_keyfile,
+                           help="the --ssl-certfile's private key, if not in that file (env GENPIPE_SSL_KEYFILE)")
+        group.add_argument("--ssl-password", default=env.ssl_password,
+                           help="passphrase of an encrypted private key (env GENPIPE_SSL_PASSWORD, which "
+                                "keeps it off the command line)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, client_id: str = "genpipe") -> "KafkaSettings":
-        return cls(
+        """The command's settings; with TLS, its files are checked now (`ssl_context`'s
+        UsageError), so a command fails at its start in one line: `serve` failed inside
+        uvicorn's start-up with a traceback, the workers in their first Kafka client."""
+        settings = cls(
             bootstrap_servers=args.bootstrap_servers,
             topic_prefix=args.topic_prefix,
             client_id=client_id,
@@ -135,4 +171,22 @@ class KafkaSettings:
             ssl_cafile=args.ssl_cafile,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
+            ssl_password=args.ssl_password,
         )
+        if settings.security_protocol in ("SSL", "SASL_SSL"):
+            settings.ssl_context()
+        return settings
+
+
+class _KeyEncrypted(Exception):
+    pass
+
+
+def _no_passphrase():
+    """OpenSSL asks for a passphrase (the key is encrypted) and none was given: raised
+    through `load_cert_chain` instead of OpenSSL prompting on the terminal."""
+    raise _KeyEncrypted
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
