@@ -1063,6 +1063,48 @@ async def test_serve_max_model_len_is_the_context_the_gateway_checks_and_reports
 
 
 @pytest.mark.kafka
+async def test_allowed_origins_let_those_pages_call_the_gateway_from_a_browser(kafka_settings, make_topics,
+                                                                               tiny_model_dir):
+    """A web page's call (CORS): with `--allowed-origins` its preflight passes and the
+    answers, a stream's too, carry Access-Control-Allow-Origin; another origin's page and
+    a gateway without the flag (the default) give browsers no such header."""
+    from workers.gateway.commands import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).allowed_origins == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--allowed-origins", "app.example.com"])  # (no scheme: would never match)
+
+    page, other = "https://app.example.com", "https://elsewhere.example.com"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type,x-request-timeout"}
+    await make_topics(kafka_settings, partitions=1)
+    allowed = parser.parse_args(["serve", "--allowed-origins", f"{page}, http://localhost:3000"]).allowed_origins
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="cors", timeout_s=1.0,
+                               allowed_origins=allowed) as (base, _), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        r = await http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "x-request-timeout" in r.headers["access-control-allow-headers"].lower()
+        r = await http.options("/v1/chat/completions", headers={"Origin": other, **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = await http.post("/tokenize", json={"prompt": "a fox"}, headers={"Origin": page})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        async with http.stream("POST", "/v1/completions", headers={"Origin": page}, json={
+                "model": "tiny", "prompt": [1, 2], "max_tokens": 2, "stream": True}) as stream:
+            assert stream.headers["access-control-allow-origin"] == page  # (no worker here: it ends in a 504 event)
+            assert "504" in (await stream.aread()).decode()
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="nocors") as (base, _), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        r = await http.post("/tokenize", json={"prompt": "a fox"}, headers={"Origin": page})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = await http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.kafka
 async def test_a_request_too_large_for_a_record_is_413_before_its_fan_out(kafka_settings, make_topics,
                                                                           tiny_model_dir):
     """A prompt of token ids too long for a Kafka record was copied n times first (a 15 MB

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -73,6 +75,9 @@ class GatewayConfig:
     # The deployment's context length (the generate workers' --max-model-len); None: the
     # tokenizer directory's config.json, if it says
     max_model_len: int | None = None
+    # Web origins whose pages may call the gateway from a browser (CORS); none: no CORS
+    # headers, so browsers keep other sites' pages from reading its answers
+    allowed_origins: tuple[str, ...] = ()
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -117,7 +122,12 @@ class Gateway:
         await self.client.close()
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        middleware = []
+        if self.config.allowed_origins:
+            # (the headers a browser may send: the OpenAI SDKs' own, Authorization, X-Request-Timeout)
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
+                                         allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+        return Starlette(middleware=middleware, routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),

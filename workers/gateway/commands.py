@@ -17,6 +17,17 @@ def _gateway_id(text: str) -> str:
     return text
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """`--allowed-origins`: "*" or comma-separated origins as browsers send them
+    (scheme://host[:port], no path): one without its scheme would never match."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", origin):
+            raise argparse.ArgumentTypeError(f"{origin!r}: an origin is scheme://host[:port] as a browser sends it "
+                                             f"(e.g. https://app.example.com), or *")
+    return origins
+
+
 def _default_gateway_id() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "gw"
 
@@ -56,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, answer_timeout_s=args.answer_timeout, max_unread=args.max_unread,
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
         worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes,
-        max_answer_bytes=args.max_answer_mib << 20, max_model_len=args.max_model_len))
+        max_answer_bytes=args.max_answer_mib << 20, max_model_len=args.max_model_len,
+        allowed_origins=args.allowed_origins))
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -121,6 +133,11 @@ def register(sub) -> None:
                        help="seconds a non-streamed request waits for its answer, which comes whole when the "
                             "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
                             "header X-Request-Timeout) raises it (default %(default)s)")
+    serve.add_argument("--allowed-origins", type=_origins, default=os.environ.get("GENPIPE_ALLOWED_ORIGINS", ""),
+                       help="web origins whose pages may call the gateway from a browser (CORS), comma-separated: "
+                            "https://app.example.com,http://localhost:3000, or * for any (env "
+                            "GENPIPE_ALLOWED_ORIGINS; default: none, no CORS headers). The gateway has no "
+                            "authentication of its own: allow only pages you trust to spend its capacity")
     serve.add_argument("--max-model-len", type=at_least(1), default=os.environ.get("GENPIPE_MAX_MODEL_LEN"),
                        help="the served context length in tokens, as the generate workers' --max-model-len: a "
                             "prompt this long or longer gets 400 here, and /v1/models and /tokenize report it "
