@@ -529,3 +529,27 @@ def test_the_engine_child_queues_an_interactive_request_before_a_bulk_one_handed
     finally:
         on_loop(loop, engine.stop)
     assert list(got.finals) == ["running", "chat", "bulk"]
+
+
+def test_a_child_stepping_with_steps_unread_stops_when_told_not_killed(loop, caplog):
+    """The worker stops its engine on the loop that reads the child's steps; the child
+    then waited for its engine thread and outbox, whose write of a step (~72 KB at batch
+    256 and k = 20; a pipe holds 64 KB) waited for that loop: killed after 10 s, every
+    shutdown under load. It now exits at once, as told."""
+    import logging
+
+    steps = []
+    engine = EngineProcess(dict(synthetic=dict(step_s=0.002, max_batch=256, vocab_size=32000)),
+                           lambda outputs, step_s: steps.append(len(outputs)))
+    started(engine, loop)
+    for i in range(256):
+        on_loop(loop, engine.add, request(f"r{i}", [1, 2], max_tokens=100_000, ignore_eos=True, logprobs=20))
+    deadline = time.monotonic() + 60
+    while sum(steps) < 256 * 50:  # (the batch full and stepping)
+        assert time.monotonic() < deadline, "the engine did not step"
+        time.sleep(0.01)
+    child = engine._process
+    with caplog.at_level(logging.WARNING, logger="workers.generate.engine_process"):
+        on_loop(loop, engine.stop)
+    assert child.exitcode == 0, f"exit code {child.exitcode} (killed: -9)"
+    assert "did not stop" not in caplog.text

@@ -228,6 +228,7 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
 
     thread = EngineThread(engine, deliver, min_step_s=min_step_s)  # (tokens are held in the outbox)
     thread.start()
+    stopped = True  # by the worker (Stop, or it is gone), not by the engine's failure
     try:
         while thread.failure is None:
             message = decode_to_child(commands.recv_bytes())
@@ -243,14 +244,20 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
                     outbox.holder.tune(message.lagging, message.stretch)
             else:
                 break
+        else:
+            stopped = False
     except (EOFError, OSError):
         pass  # the worker is gone: so are we
-    finally:
+    if not stopped:  # the engine failed: its Failed goes to the worker before we exit
         thread.stop()
-        outbox.close()  # what the last steps made goes out before we exit
+        outbox.close()
+    # Stopped by the worker, which reads no more steps: out at once, the engine mid-step
+    # or not. Waiting for the engine thread and the outbox (a step the worker would not
+    # read) held a child whose write waited on a full pipe, the worker blocked in
+    # `EngineProcess.stop` on the loop that reads it, until the worker killed it: 10 s of
+    # a shutdown under load (tests/test_engine_process.py).
     # Skip the interpreter's teardown: its collections over every object torch and
     # transformers made kept a core busy for ~2 s after each stop (measured), and the
-    # worker waits for us. Nothing is left to clean up: the engine thread has stopped,
-    # the OS frees the rest.
+    # worker waits for us. Nothing is left to clean up: the OS frees the rest.
     logging.shutdown()
     os._exit(0)
