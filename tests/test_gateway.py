@@ -209,7 +209,7 @@ def test_an_answer_that_may_outgrow_a_record_is_asked_for_streamed():
     (a record per chunk in place of one, for an answer that fits), nor a request without
     max_tokens (guessed to the end of a long context, every chat with logprobs would be)."""
     from workers.client import make_request
-    from workers.gateway.fanout import answer_may_outgrow, streamed_inside
+    from workers.results import answer_may_outgrow, streamed_inside
 
     mb = 1_000_000
     assert not answer_may_outgrow(make_request([1] * 10, max_tokens=100_000), mb)
@@ -224,6 +224,9 @@ def test_an_answer_that_may_outgrow_a_record_is_asked_for_streamed():
     # echo: the prompt's positions too
     assert answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200, echo=True), mb)
     assert not answer_may_outgrow(make_request([1] * 800, logprobs=20, max_tokens=200), mb)
+    # streamed already; vLLM's prompt_logprobs, which streamed results do not carry
+    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=1000, stream=True), mb)
+    assert not answer_may_outgrow(make_request([1], logprobs=20, max_tokens=1000, prompt_logprobs=2), mb)
 
     request = make_request([1, 2], logprobs=3, max_tokens=7, model="m", echo=True)
     inside = streamed_inside(request)
@@ -573,13 +576,14 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
     the caller to stream. The gateway now asks for such a request streamed and assembles
     its records: the answer the one record gives, whole, and one too large for a record
     comes too, within --max-answer-mib. One that fits its guess still comes in one record.
+    The client library's `complete()` does the same (the gateway's answers are its).
     (Record limits of 5,000 bytes for the gateway's guess and 20,000 for the derender
     stand for Kafka's ~1 MB.)"""
     import msgspec
 
     from schemas import Cancel, GenerateRequest
     from tests.kafka_helpers import read_to_end, read_topic
-    from workers.client import GenpipeClient, make_request
+    from workers.client import AnswerBudget, GenpipeClient, GenpipeError, make_request
     from workers.kafka.records import decode_message
 
     await make_topics(kafka_settings, partitions=2)
@@ -601,6 +605,10 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
             async with contextlib.aclosing(client.stream(make_request(**large, model="tiny"),
                                                          raise_errors=False)) as results:
                 too_large = await results.__anext__()
+        async with GenpipeClient(settings=kafka_settings, max_record_bytes=5_000) as client:
+            library_whole = await client.complete(make_request(**large, model="tiny"))
+            with pytest.raises(GenpipeError) as over_budget:
+                await client.complete(make_request(**large, model="tiny"), budget=AnswerBudget(10_000))
         switched = await http.post("/v1/completions", json=http_body(medium))
         whole = await http.post("/v1/completions", json=http_body(large))
         whole_chat = await http.post("/v1/chat/completions", json={
@@ -627,6 +635,9 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
     assert answer["finish_reason"] == "length" and whole.json()["usage"]["completion_tokens"] == 300
     assert len(answer["logprobs"]["tokens"]) == 303 and len(whole.content) > limit  # (echo: the prompt's 3)
     assert answer["logprobs"]["text_offset"] == sorted(answer["logprobs"]["text_offset"])
+    # the library's complete(): the same answer, and its budget
+    assert msgspec.to_builtins(library_whole.choices) == whole.json()["choices"]
+    assert over_budget.value.code == 400 and "the answer passed 10000 bytes" in over_budget.value.message
     (message,) = whole_chat.json()["choices"]
     assert message["message"] == {"role": "assistant", "content": "".join(
         e["choices"][0]["delta"].get("content") or "" for e in streamed_chat if e["choices"])}
@@ -634,7 +645,7 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
                                               for x in e["choices"][0]["logprobs"]["content"]]
     assert len(message["logprobs"]["content"]) == 120 and whole_chat.json()["usage"]["completion_tokens"] == 120
     assert small.status_code == 200 and len(small.json()["choices"][0]["logprobs"]["tokens"]) == 3
-    assert over.status_code == 400 and "--max-answer-mib" in over.json()["error"]["message"], over.text
+    assert over.status_code == 400 and "the answer passed 200000 bytes" in over.json()["error"]["message"], over.text
     # asked for as the client asked: streamed inside only where the answer may outgrow a record
     requests = [decode_message(r, GenerateRequest)
                 for r in await read_to_end(kafka_settings, kafka_settings.topic("requests"))]
@@ -643,7 +654,7 @@ async def test_a_non_streamed_answer_too_large_for_one_record_comes_whole(kafka_
         assert asked[response.json()["id"].split("-", 1)[1]] is inside
     # and the choices of the request over the budget were cancelled (the one that passed it, the rest)
     over_ids = {r.request_id for r in requests if r.sampling.max_tokens == 300 and r.output.stream} - {
-        whole.json()["id"].split("-", 1)[1]}
+        whole.json()["id"].split("-", 1)[1], library_whole.id.split("-", 1)[1], over_budget.value.request_id}
     assert len(over_ids) == 8
     await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30, until=lambda records: over_ids <= {
         decode_message(r, Cancel).request_id for r in records})

@@ -27,15 +27,15 @@ import msgspec
 from schemas import (Cancel, ChatCompletion, Completion, DecodeError, ErrorInfo, ErrorResponse, GenerateRequest,
                      RecordError, encode, header_value, headers_for)
 from schemas.headers import HEADER_ATTEMPT, HEADER_FINAL, HEADER_RESTART, HEADER_SEQ
-from workers.kafka.settings import KafkaSettings
+from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.log_digest import LogDigest
 from workers.mailbox import KEEPALIVE, OVERFLOW, TIMED_OUT, Mailbox
 # The library's public names live in two modules of their own; `workers.client` is
 # where users import them from (README "From Python").
 from workers.requests import load_tokenizer, make_request, render_chat, render_prompt
 from workers.results import (AttemptFilter, GenpipeError, GenpipeOverflow, GenpipeTimeout, GenpipeUnavailable,
-                             Restart, Result,
-                             ResultMessage, assemble, decode_result, raise_for_error, record_json, text_of)
+                             AnswerBudget, Restart, Result, ResultMessage, answer_may_outgrow, assemble, decode_result,
+                             raise_for_error, record_json, streamed_inside, text_of)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,6 @@ class GenpipeClient:
         from workers.kafka.clients import make_producer, start_client
         from workers.kafka.follow import assign_all, make_follower
         from workers.kafka.publisher import request_size_for
-        from workers.kafka.settings import MAX_RECORD_BYTES
 
         if self._producer is not None:
             return
@@ -377,7 +376,13 @@ class GenpipeClient:
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self._cancels_failed.log(
             "could not cancel %s: %s", request_id, t.exception()))
 
-    def _timed_out(self, rid: str, timeout: float, received: int) -> GenpipeTimeout:
+    def _timed_out(self, rid: str, timeout: float, received: int, whole: bool = False) -> GenpipeTimeout:
+        """`whole`: the deadline of a whole answer (`complete`), not of a record's wait."""
+        if whole and received:  # (it was generated, not as fast as the deadline asked)
+            what = (f"request {rid}: its answer did not come whole within {timeout:g} s ({received} result "
+                    f"records came)")
+            return GenpipeTimeout(f"{what}: give it a longer timeout, or ask for fewer tokens", request_id=rid,
+                                  public_message=what)
         what = (f"no result for request {rid} within {timeout:g} s" if received == 0 else
                 f"request {rid}: no further result within {timeout:g} s after {received} result record(s)")
         where = (f"are a generate and a derender worker running on topic prefix "
@@ -410,20 +415,47 @@ class GenpipeClient:
                     raise_for_error(record.value, record.request_id)
                 yield record.value
 
-    async def complete(self, request: GenerateRequest, *, timeout_s: float | None = None) -> ChatCompletion | Completion:
+    async def complete(self, request: GenerateRequest, *, timeout_s: float | None = None,
+                       budget: AnswerBudget | None = None) -> ChatCompletion | Completion:
         """Send `request` and return its final `ChatCompletion` / `Completion`.
 
         For a streamed request the chunks of the winning attempt are assembled into the
-        final object (usage only if `include_usage` was asked). Raises `GenpipeError` on
-        an error result and `GenpipeTimeout` when the pipeline does not answer.
+        final object (usage only if `include_usage` was asked). A request not streamed
+        whose logprobs may not fit one result record (`answer_may_outgrow`, by its
+        `max_tokens`, against `max_record_bytes`) is sent streamed and its records
+        assembled into the answer one record would have held: one record got a 400
+        "result too large" from the derender. It is bounded as its one record would be:
+        the whole answer within the timeout (a record's wait alone let it run for ever).
+        `budget` bounds the records of an answer assembled from streamed records (a
+        one-record answer is bounded by the record limit), shared by the calls given the
+        same one: past it, `GenpipeError` (400) and the request is cancelled. Raises
+        `GenpipeError` on an error result and `GenpipeTimeout` when the pipeline does not
+        answer (`timeout_s`: the wait for each next record, as `records`).
         """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        whole = None  # a deadline for the whole answer: a switched one's
+        if answer_may_outgrow(request, self.max_record_bytes or MAX_RECORD_BYTES):
+            request, whole = streamed_inside(request), timeout
         items: list[Result] = []
-        async with contextlib.aclosing(self.stream(request, timeout_s=timeout_s)) as stream:
-            async for item in stream:
-                if isinstance(item, Restart):
-                    items.clear()
-                else:
-                    items.append(item)
+        counted = budget if request.output.stream else None
+        received = 0
+        try:
+            async with asyncio.timeout(whole), contextlib.aclosing(
+                    self.records(request, timeout_s=timeout)) as records:
+                async for record in records:  # (left early, by an error: `records` cancels the request)
+                    received += 1
+                    if counted is not None and not counted.take(len(record.raw)):
+                        raise GenpipeError(f"request {record.request_id}: the answer passed {counted.limit} bytes: "
+                                           f"ask for fewer tokens, logprobs or choices, or stream",
+                                           "invalid_request_error", code=400, request_id=record.request_id)
+                    raise_for_error(record.value, record.request_id)
+                    if record.restart:  # (a generate worker died: its new attempt's records from here)
+                        items.clear()
+                    items.append(record.value)
+        except GenpipeTimeout:
+            raise
+        except TimeoutError:  # (the whole answer's deadline)
+            raise self._timed_out(request.request_id, timeout, received, whole=True) from None
         return assemble(items)
 
 
@@ -432,7 +464,7 @@ def _error_info(message: str) -> ErrorInfo:
 
 
 __all__ = [
-    "GenpipeClient", "GenpipeError", "GenpipeOverflow", "GenpipeTimeout", "GenpipeUnavailable", "Restart",
+    "AnswerBudget", "GenpipeClient", "GenpipeError", "GenpipeOverflow", "GenpipeTimeout", "GenpipeUnavailable", "Restart",
     "ResultMessage",
     "AttemptFilter", "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
     "text_of", "raise_for_error", "load_tokenizer", "Result",

@@ -27,6 +27,7 @@ from schemas import (
 from schemas.codec import HEADER_SCHEMA, content_type_of, decode, schema_header
 from schemas.errors import DecodeError
 from schemas.openai import RESULT_TYPES, OpenAIResult, ResultRecord
+from schemas.records import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,65 @@ def assemble(items: Sequence[Result]) -> Result:
             choices=[CompletionChoice(text="".join(text), logprobs=lp, finish_reason=finish)],
             usage=usage)
     return last
+
+
+# --- a non-streamed answer too large for one record ------------------------------------
+
+# A non-streamed answer comes in one result record; with logprobs a few hundred tokens can
+# pass Kafka's ~1 MB (a chat's at top 20), and the derender ends such a request with a 400
+# telling the caller to stream. `GenpipeClient.complete` (the gateway's non-streamed
+# answers too) asks for it streamed and assembles its records instead (docs/design.md §9).
+#
+# Guesses of what a position of an answer takes in its result, as JSON (bytes), by kind:
+# the position itself (a completion's token, logprob and text offset; a chat's text) and
+# each candidate listed (the token's own, and its top k): a completion's `"token":
+# logprob` entry, a chat's object with the token's bytes. Measured: 79-163 bytes a
+# position for a completion at top 5, 434 for a chat (BENCHMARKS.md, "Answers too large
+# for a record"); the guesses are 1.8-4.5x those, not a bound (a chat's long tokens pass
+# them: a token of 32 spaces takes ~185 bytes a candidate). An answer switched that would
+# have fit costs its gateway ~6x the CPU (a record a chunk, not one), its derender ~1.75x.
+ANSWER_BYTES = {"completion": (64, 48), "chat": (16, 128)}  # (a position, a listed candidate)
+
+
+def answer_may_outgrow(request: GenerateRequest, limit: int) -> bool:
+    """Whether `request`, not streamed, might get an answer too large for one record of
+    `limit` bytes, by its `max_tokens`. Only one with logprobs can: text alone takes ~4-16
+    bytes a token (1 MB is ~100k tokens), and streaming every answer inside would cost a
+    result record per chunk, not one. Nor one without `max_tokens` (a chat's default: to
+    the end of the context): guessed to the end of a long context, every such chat with
+    logprobs would be switched, most of them short; it comes in one record, as before.
+    Nor one with vLLM's `prompt_logprobs`: streamed results have no such field."""
+    tokens = request.sampling.max_tokens
+    if (request.output.stream or request.sampling.logprobs is None or tokens is None
+            or request.output.prompt_logprobs is not msgspec.UNSET):
+        return False
+    if request.output.echo:  # (the prompt's tokens, with their logprobs, in front)
+        tokens += len(request.prompt_token_ids)
+    position, candidate = ANSWER_BYTES[request.output.kind]
+    return tokens * (position + (1 + max(0, request.output.top_logprobs)) * candidate) > limit
+
+
+@dataclass
+class AnswerBudget:
+    """Bytes of result records that answers assembled from streamed records may hold, all
+    told (`GenpipeClient.complete`): one budget shared by several calls bounds them
+    together, as the gateway's --max-answer-mib bounds the choices of one HTTP request.
+    Held to its end, an answer of any size took the caller's memory (the gateway's)."""
+
+    limit: int
+    used: int = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Count `nbytes` more; False once past the limit."""
+        self.used += nbytes
+        return self.used <= self.limit
+
+
+def streamed_inside(request: GenerateRequest) -> GenerateRequest:
+    """`request` asked for streamed, with its usage at the end, for an answer assembled
+    from its records (`assemble`): the answer its one record would have been."""
+    output = msgspec.structs.replace(request.output, stream=True, include_usage=True, continuous_usage=False)
+    return msgspec.structs.replace(request, output=output)
 
 
 def text_of(item: Result) -> str:

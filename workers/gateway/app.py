@@ -30,10 +30,10 @@ from starlette.routing import Route
 
 from schemas.codec import encode
 from schemas.openai import ErrorResponse
-from workers.client import (GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, assemble, make_request,
-                            raise_for_error, render_chat, render_prompt)
+from workers.client import (AnswerBudget, GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request,
+                            render_chat, render_prompt)
 from workers.gateway.event_stream import EventStream, StallWatch
-from workers.gateway.fanout import answer_may_outgrow, merge_final, reindex, streamed_inside, total_usage
+from workers.gateway.fanout import merge_final, reindex, total_usage
 from workers.gateway import tokenizing
 from workers.gateway.params import BadParameter, parse
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
@@ -216,10 +216,6 @@ class Gateway:
                                 **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
-        if not parsed.stream and parsed.options.get("prompt_logprobs") is None:
-            # an answer whose logprobs may not fit one result record: streamed, assembled (fanout.py)
-            choices = [streamed_inside(c) if answer_may_outgrow(c, self.config.max_record_bytes) else c
-                       for c in choices]
         if parsed.stream:
             return EventStream(self._events(choices, prompt_of, parsed.options.get("include_usage", False),
                                             parsed.options.get("continuous_usage", False), ROUTES[kind]),
@@ -251,14 +247,17 @@ class Gateway:
             raise BadParameter("messages" if parsed.kind == "chat" else "prompt", str(exc)) from None
 
     async def _complete(self, request: Request, choices: list, prompt_of: list[int], timeout_s: float) -> Response:
-        """A non-streamed request: one JSON answer. A client that goes away cancels it. Its
-        one result record comes when it ends: waited for `timeout_s` (with --timeout, a
-        stream's wait between two records, every answer longer than that got 504). A choice
-        asked for streamed inside (fanout.py) is assembled (`_assembled`)."""
+        """A non-streamed request: one JSON answer. A client that goes away cancels it.
+        Each choice's answer comes whole when it ends, in one result record or, where that
+        may not fit, assembled from its streamed records (`GenpipeClient.complete`):
+        waited for `timeout_s` all told (with --timeout, a stream's wait between two
+        records, every answer longer than that got 504); the records of the answers
+        assembled, at most --max-answer-mib for the request, all its choices counted (held
+        to its end, an answer of any size took the gateway's memory): past it a 400, the
+        choices cancelled."""
         self.in_flight += 1
-        budget = [self.config.max_answer_bytes]
-        waits = [asyncio.ensure_future(self._assembled(c, timeout_s, budget) if c.output.stream
-                                       else self.client.complete(c, timeout_s=timeout_s)) for c in choices]
+        budget = AnswerBudget(self.config.max_answer_bytes)  # (the request's, all its choices)
+        waits = [asyncio.ensure_future(self.client.complete(c, timeout_s=timeout_s, budget=budget)) for c in choices]
         done = asyncio.gather(*waits)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -283,34 +282,6 @@ class Gateway:
             for wait in waits:  # (a choice failed: the others' reading stops now, not at their end)
                 wait.cancel()
             self.in_flight -= 1
-
-    async def _assembled(self, choice, timeout_s: float, budget: list[int]):
-        """A choice asked for streamed inside: its records assembled into its one answer, in
-        the one-record path's bounds: the whole answer within `timeout_s` (504; a record's
-        wait alone let an answer run for ever), and the request's records, all told, at
-        most --max-answer-mib (`budget`, shared by its choices; past it a 400, its choices
-        cancelled): held to the end, an answer of any size took the gateway's memory."""
-        rid, items = choice.request_id, []
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with contextlib.aclosing(self.client.records(choice, timeout_s=timeout_s)) as records:
-                    async for record in records:  # (left early: `_results` cancels the request)
-                        budget[0] -= len(record.raw)
-                        if budget[0] < 0:
-                            raise GenpipeError(
-                                f"request {rid}: the answer passed {self.config.max_answer_bytes} bytes "
-                                f"(--max-answer-mib): ask for fewer tokens, logprobs or choices, or stream",
-                                "invalid_request_error", code=400, request_id=rid)
-                        raise_for_error(record.value, rid)
-                        if record.restart:  # (a generate worker died: its new attempt's records from here)
-                            items.clear()
-                        items.append(record.value)
-        except GenpipeTimeout:
-            raise
-        except TimeoutError:
-            raise GenpipeTimeout(f"no whole answer for request {rid} within {timeout_s:g} s",
-                                 request_id=rid) from None
-        return assemble(items)
 
     def _results(self, done: asyncio.Future, choices: list) -> list:
         try:
