@@ -1,7 +1,7 @@
 """What a non-streamed answer costs when the gateway asks for it streamed (#11).
 
 A non-streamed choice whose logprobs may not fit one result record is asked for streamed
-and assembled by the gateway (`answer_may_outgrow`, workers/gateway/fanout.py). The rule
+and assembled by the gateway (`answer_may_outgrow`, workers/results.py). The rule
 guesses high, so some answers that would have fit one record come as a record per chunk:
 this measures what that costs, the same requests answered both ways in one run.
 
@@ -79,7 +79,7 @@ async def run(args, settings: KafkaSettings) -> None:
     from workers.broker.topics import create_topics
 
     from workers.client import make_request
-    from workers.gateway.fanout import answer_may_outgrow
+    from workers.results import answer_may_outgrow
     from workers.kafka.settings import MAX_RECORD_BYTES
 
     workload = make_request([5, 6, 7], max_tokens=args.max_tokens, logprobs=args.logprobs)
