@@ -98,7 +98,7 @@ def test_bad_bodies_are_refused_naming_the_parameter(body, kind, param, status):
 
 
 def test_a_prompt_with_no_room_in_the_context_is_refused_before_the_fan_out():
-    from workers.gateway.app import _check_context
+    from workers.gateway.params import check_context as _check_context
 
     _check_context([[1] * 2047, [1]], 2048, "prompt")
     _check_context([[1] * 10_000], None, "prompt")  # (the context unknown: the worker decides)

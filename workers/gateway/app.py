@@ -33,9 +33,9 @@ from schemas.openai import ErrorResponse
 from workers.client import (AnswerBudget, GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request,
                             render_chat, render_prompt)
 from workers.gateway.event_stream import EventStream, StallWatch
-from workers.gateway.fanout import merge_final, reindex, total_usage
+from workers.gateway.fanout import choice_records, merge_final, reindex, total_usage
 from workers.gateway import tokenizing
-from workers.gateway.params import BadParameter, parse
+from workers.gateway.params import BadParameter, check_context, nth_seed, parse, request_timeout
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 from workers.log_digest import LogDigest
 from workers.mailbox import KEEPALIVE
@@ -188,7 +188,7 @@ class Gateway:
                 prompts = parsed.prompts
             else:  # the tokenizer (a long prompt or a chat template takes a while): off the loop
                 prompts = await asyncio.to_thread(self._prompt_ids, parsed)
-            _check_context(prompts, self.max_model_len, "messages" if parsed.kind == "chat" else "prompt")
+            check_context(prompts, self.max_model_len, "messages" if parsed.kind == "chat" else "prompt")
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
         if (busy := self._busy()) is not None:
@@ -196,7 +196,7 @@ class Gateway:
         # Choice index = prompt index × n + sample index; a seeded request gives each
         # choice its own seed (seed + index), so n > 1 does not repeat one sample.
         try:
-            timeout = _timeout(request.headers.get("x-request-timeout"), body.get("timeout"))
+            timeout = request_timeout(request.headers.get("x-request-timeout"), body.get("timeout"))
         except BadParameter as exc:
             return error_response(exc.status, str(exc), exc.kind, exc.param)
         if timeout is not None:
@@ -213,7 +213,7 @@ class Gateway:
                                   param="messages" if kind == "chat" else "prompt")
         seed = parsed.options.get("seed")
         choices = [make_request(ids, kind=kind,
-                                **{**parsed.options, "seed": None if seed is None else _nth_seed(seed, index)})
+                                **{**parsed.options, "seed": None if seed is None else nth_seed(seed, index)})
                    for index, ids in enumerate(ids for ids in prompts for _ in range(parsed.n))]
         prompt_of = [index // parsed.n for index in range(len(choices))]
         if parsed.stream:
@@ -308,7 +308,7 @@ class Gateway:
         finished, sent = set(), False
         usages: list = [None] * len(choices)
         last = None
-        records = self._one(choices[0]) if len(choices) == 1 else self._merged(choices)
+        records = choice_records(self.client, choices, self.config.keepalive_s)
         loop, relay = asyncio.get_running_loop(), GATEWAY_RELAY
 
         def cancel_rest(reason: str, cancelled: str | None = None) -> None:
@@ -389,43 +389,6 @@ class Gateway:
         if self.client.reader_error is not None:
             return f"genpipe is unavailable: {READER_FAILED}"
         return "genpipe is unavailable: the gateway could not serve the request (its log says why)"
-
-    async def _one(self, choice):
-        """The records of a single-choice request as (0, record): straight from the
-        client's inbox, no task or queue between (the common case, on every token)."""
-        async with contextlib.aclosing(self.client.records(choice, keepalive_s=self.config.keepalive_s)) as records:
-            async for record in records:
-                yield 0, record
-
-    async def _merged(self, choices: list):
-        """The records of several choices as (index, record), interleaved as they come: a
-        reader task per choice, one bounded queue (a slow HTTP reader slows the readers)."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=256)
-
-        async def read(index: int, choice) -> None:
-            try:
-                async with contextlib.aclosing(self.client.records(
-                        choice, keepalive_s=self.config.keepalive_s)) as records:
-                    async for record in records:
-                        await queue.put((index, record))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                await queue.put((index, exc))
-
-        readers = [asyncio.ensure_future(read(i, c)) for i, c in enumerate(choices)]
-        try:
-            open_choices = len(choices)
-            while open_choices:
-                index, record = await queue.get()
-                if isinstance(record, BaseException):
-                    raise record
-                if record is not KEEPALIVE and record.final:
-                    open_choices -= 1
-                yield index, record
-        finally:
-            for reader in readers:
-                reader.cancel()
 
     # --- the rest ------------------------------------------------------------------------
 
@@ -512,40 +475,6 @@ def _unavailable(reason: str) -> Response:
 def _http_status(code) -> int:
     """The HTTP status an error's `code` names (a worker's error carries one), else 500."""
     return code if isinstance(code, int) and 400 <= code < 600 else 500
-
-
-def _check_context(prompts: list[list[int]], max_model_len: int | None, param: str) -> None:
-    """A prompt with no room left in the model's context is refused here, before it is
-    copied into a record per choice (n of them) that the worker would refuse anyway: a
-    body of 250,000 ids with n = 128 cost the gateway ~330 MB and 2.6 s of CPU."""
-    if max_model_len is None:
-        return
-    for i, ids in enumerate(prompts):
-        if len(ids) >= max_model_len:
-            where = param if len(prompts) == 1 else f"{param}[{i}]"
-            raise BadParameter(param, f"{where} has {len(ids)} tokens but the model's context is {max_model_len}, "
-                                      f"leaving no room to generate")
-
-
-def _nth_seed(seed: int, index: int) -> int:
-    """Choice `index`'s seed: seed + index, wrapped into 64 bits (a seed near the top
-    would otherwise pass it, and its record could not be encoded)."""
-    return (seed + index + 2**63) % 2**64 - 2**63
-
-
-def _timeout(header: str | None, field) -> float | None:
-    """The request's own timeout in seconds: header `X-Request-Timeout` or body `timeout`."""
-    value = header if header is not None else field
-    if value is None:
-        return None
-    try:
-        seconds = float("nan") if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError, OverflowError):  # (OverflowError: an integer of 309+ digits)
-        seconds = float("nan")
-    if not 0 < seconds <= 86_400:
-        got = value[:50] if isinstance(value, str) else value if isinstance(value, float) else type(value).__name__
-        raise BadParameter("timeout", f"timeout must be seconds in (0, 86400], got {got!r}")
-    return seconds
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -1,16 +1,21 @@
-"""One HTTP request, several genpipe requests: `n` > 1 and several prompts (pure).
+"""One HTTP request, several genpipe requests: `n` > 1 and several prompts.
 
 OpenAI's rule: choice `index` = prompt index × n + sample index, every choice under the
 HTTP request's one `id`; usage counts each prompt's tokens once and every choice's
 completion tokens. Each genpipe request answers with its own id and index 0; these
-functions put its records in the HTTP response's place.
+functions put its records in the HTTP response's place (pure), and `choice_records`
+reads the records of a request's choices as one series.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import msgspec
 
 from schemas.openai import UsageInfo
+from workers.mailbox import KEEPALIVE
 
 def reindex(item, index: int, response_id: str):
     """A result object (final or streamed chunk) as choice `index` of `response_id`."""
@@ -36,3 +41,47 @@ def merge_final(results: list, prompt_of: list[int]):
     choices = [msgspec.structs.replace(choice, index=i) for i, result in enumerate(results) for choice in result.choices]
     return msgspec.structs.replace(first, choices=choices,
                                    usage=total_usage([r.usage for r in results], prompt_of))
+
+
+def choice_records(client, choices: list, keepalive_s: float):
+    """The records of a request's choices as (index, record) (`GenpipeClient.records`,
+    with its KEEPALIVE marks), until every choice's final one."""
+    return _one(client, choices[0], keepalive_s) if len(choices) == 1 else _merged(client, choices, keepalive_s)
+
+
+async def _one(client, choice, keepalive_s: float):
+    """A single choice's records as (0, record): straight from the client's inbox, no
+    task or queue between (the common case, on every token)."""
+    async with contextlib.aclosing(client.records(choice, keepalive_s=keepalive_s)) as records:
+        async for record in records:
+            yield 0, record
+
+
+async def _merged(client, choices: list, keepalive_s: float):
+    """Several choices' records as (index, record), interleaved as they come: a reader
+    task per choice, one bounded queue (a slow HTTP reader slows the readers)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=256)
+
+    async def read(index: int, choice) -> None:
+        try:
+            async with contextlib.aclosing(client.records(choice, keepalive_s=keepalive_s)) as records:
+                async for record in records:
+                    await queue.put((index, record))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put((index, exc))
+
+    readers = [asyncio.ensure_future(read(i, c)) for i, c in enumerate(choices)]
+    try:
+        open_choices = len(choices)
+        while open_choices:
+            index, record = await queue.get()
+            if isinstance(record, BaseException):
+                raise record
+            if record is not KEEPALIVE and record.final:
+                open_choices -= 1
+            yield index, record
+    finally:
+        for reader in readers:
+            reader.cancel()
