@@ -1115,6 +1115,75 @@ async def test_allowed_origins_let_those_pages_call_the_gateway_from_a_browser(k
         assert "access-control-allow-origin" not in r.headers
 
 
+def test_api_keys_are_read_and_compared_as_a_bearer_header_carries_them():
+    from workers.gateway.api_keys import api_keys, bearer_key, key_matches
+
+    assert api_keys("") == () and api_keys(" k1 , k2,") == ("k1", "k2")
+    for bad in ("has space", "tab\tkey", "ünï"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            api_keys(bad)
+    assert bearer_key([(b"authorization", b"Bearer k1")]) == b"k1"
+    assert bearer_key([(b"authorization", b"bearer  k1 ")]) == b"k1"
+    assert bearer_key([(b"authorization", b"Basic k1")]) is None
+    assert bearer_key([(b"authorization", b"Bearer")]) is None and bearer_key([]) is None
+    keys = (b"k1", b"k2")
+    assert key_matches(b"k2", keys) and not key_matches(b"k3", keys) and not key_matches(b"k", keys)
+    assert not key_matches(None, keys)
+
+
+@pytest.mark.kafka
+async def test_a_gateway_with_api_keys_answers_only_callers_that_send_one(kafka_settings, make_topics,
+                                                                         tiny_model_dir):
+    """`serve --api-key`: a call without one of the keys gets 401 in OpenAI's shape and
+    reaches nothing (no request on the topic), counted; the OpenAI SDK's api_key passes;
+    the probes stay open, and a browser's preflight (no credentials) is answered."""
+    import openai
+
+    from tests.kafka_helpers import read_to_end
+    from workers.gateway.commands import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    keys = parser.parse_args(["serve", "--api-key", "old-key,new-key"]).api_key
+    assert keys == ("old-key", "new-key") and parser.parse_args(["serve"]).api_key == ()
+
+    await make_topics(kafka_settings, partitions=1)
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+    refused_before = _requests("completions", 401)
+    async with serving_gateway(kafka_settings, str(tiny_model_dir), gateway_id="keys", timeout_s=1.0,
+                               answer_timeout_s=1.0, api_keys=keys,
+                               allowed_origins=("https://app.example.com",)) as (base, _), \
+            httpx.AsyncClient(base_url=base, timeout=60) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic new-key"},
+                        {"Authorization": "Bearer"}):
+            r = await http.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in r.text
+        for path in ("/v1/models", "/tokenize"):
+            r = await (http.get(path) if path == "/v1/models" else http.post(path, json={"prompt": "a"}))
+            assert r.status_code == 401, path
+        assert (await http.get("/metrics")).status_code == 200
+        assert (await http.get("/health")).status_code == 503  # (open, and no worker runs here)
+        preflight = await http.options("/v1/completions", headers={
+            "Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200
+        # either key; the OpenAI SDK sends its api_key as the bearer header
+        for key in keys:
+            r = await http.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="new-key", max_retries=0)
+        assert [m.id for m in (await sdk.models.list()).data] == ["tiny"]
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
+        with pytest.raises(openai.APIStatusError) as sent:
+            await sdk.completions.create(model="tiny", prompt=[1, 2], max_tokens=2)
+        assert sent.value.status_code == 504  # (let through, and sent: no worker runs here to answer)
+    assert _requests("completions", 401) - refused_before == 4
+    sent_requests = await read_to_end(kafka_settings, kafka_settings.topic("requests"))
+    assert len(sent_requests) == 1  # only the SDK's, with its key
+
+
 @pytest.mark.kafka
 async def test_a_request_too_large_for_a_record_is_413_before_its_fan_out(kafka_settings, make_topics,
                                                                           tiny_model_dir):

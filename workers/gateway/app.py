@@ -32,6 +32,7 @@ from schemas.codec import encode
 from schemas.openai import ErrorResponse
 from workers.client import (AnswerBudget, GenpipeClient, GenpipeError, GenpipeOverflow, GenpipeTimeout, make_request,
                             render_chat, render_prompt)
+from workers.gateway.api_keys import RequireApiKey
 from workers.gateway.event_stream import EventStream, StallWatch
 from workers.gateway.fanout import choice_records, merge_final, reindex, total_usage
 from workers.gateway import tokenizing
@@ -45,6 +46,7 @@ from workers.requests import TemplateError
 log = logging.getLogger(__name__)
 HEALTH_REUSE_S = 2.0  # a look at the worker groups answers /health this long
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}  # (the requests counter's label)
+GENERATION_PATHS = frozenset(ROUTES.values())
 READER_FAILED = "this gateway's reader of its reply topic failed (its log says why); restart it"
 _json = msgspec.json.Encoder()
 
@@ -78,6 +80,9 @@ class GatewayConfig:
     # Web origins whose pages may call the gateway from a browser (CORS); none: no CORS
     # headers, so browsers keep other sites' pages from reading its answers
     allowed_origins: tuple[str, ...] = ()
+    # Keys a caller must send (Authorization: Bearer <key>), any one of them; none: no
+    # check (api_keys.py)
+    api_keys: tuple[str, ...] = ()
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -127,6 +132,8 @@ class Gateway:
             # (the headers a browser may send: the OpenAI SDKs' own, Authorization, X-Request-Timeout)
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
                                          allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+        if self.config.api_keys:  # (inside CORS: a preflight, which carries no key, is answered first)
+            middleware.append(Middleware(RequireApiKey, keys=self.config.api_keys, on_refused=_count_refused))
         return Starlette(middleware=middleware, routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -465,6 +472,12 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _count_refused(path: str) -> None:
+    """A generation request without a valid API key, in the requests counter (401)."""
+    if path in GENERATION_PATHS:
+        series(GATEWAY_REQUESTS, path, "401").inc()
 
 
 def _unavailable(reason: str) -> Response:

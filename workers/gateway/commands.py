@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import socket
 
 from workers.cli_options import add_log_level, add_worker_group_options, at_least, port_number, worker_groups
+from workers.gateway.api_keys import api_keys
 from workers.kafka.settings import MAX_RECORD_BYTES, KafkaSettings
 
 
@@ -68,7 +70,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_mib << 20, write_timeout_s=args.write_timeout,
         worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes,
         max_answer_bytes=args.max_answer_mib << 20, max_model_len=args.max_model_len,
-        allowed_origins=args.allowed_origins))
+        allowed_origins=args.allowed_origins, api_keys=args.api_key))
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning(
+            "serving on %s without --api-key: whoever reaches port %d may generate", args.host, args.port)
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
     # token is an HTTP body write, and h11 on asyncio cost 1.23-1.36x more gateway CPU per
     # token (BENCHMARKS.md, "HTTP gateway").
@@ -133,6 +138,11 @@ def register(sub) -> None:
                        help="seconds a non-streamed request waits for its answer, which comes whole when the "
                             "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
                             "header X-Request-Timeout) raises it (default %(default)s)")
+    serve.add_argument("--api-key", type=api_keys, default=os.environ.get("GENPIPE_API_KEY", ""),
+                       help="keys a caller must send as `Authorization: Bearer <key>` (an OpenAI SDK's api_key), "
+                            "comma-separated, any one of them valid (to rotate a key without downtime); others "
+                            "get 401. /health and /metrics stay open. Best given in the environment, "
+                            "GENPIPE_API_KEY, off the command line (default: none, no check)")
     serve.add_argument("--allowed-origins", type=_origins, default=os.environ.get("GENPIPE_ALLOWED_ORIGINS", ""),
                        help="web origins whose pages may call the gateway from a browser (CORS), comma-separated: "
                             "https://app.example.com,http://localhost:3000, or * for any (env "
