@@ -146,8 +146,8 @@ def register(sub) -> None:
     serve.add_argument("--allowed-origins", type=_origins, default=os.environ.get("GENPIPE_ALLOWED_ORIGINS", ""),
                        help="web origins whose pages may call the gateway from a browser (CORS), comma-separated: "
                             "https://app.example.com,http://localhost:3000, or * for any (env "
-                            "GENPIPE_ALLOWED_ORIGINS; default: none, no CORS headers). The gateway has no "
-                            "authentication of its own: allow only pages you trust to spend its capacity")
+                            "GENPIPE_ALLOWED_ORIGINS; default: none, no CORS headers). Without --api-key, "
+                            "allow only pages you trust to spend the gateway's capacity")
     serve.add_argument("--max-model-len", type=at_least(1), default=os.environ.get("GENPIPE_MAX_MODEL_LEN"),
                        help="the served context length in tokens, as the generate workers' --max-model-len: a "
                             "prompt this long or longer gets 400 here, and /v1/models and /tokenize report it "
