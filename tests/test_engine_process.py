@@ -518,11 +518,11 @@ def test_the_engine_child_queues_an_interactive_request_before_a_bulk_one_handed
     """The tier crosses the pipe: with the one row busy, a bulk request handed first
     waits for the interactive one handed after it (tests/test_admission.py: the engines)."""
     got = Collector()
-    # 50 ms steps: "running" holds the one row while the other two reach the child's queue
+    # 50 ms steps: "running" holds the one row (~1 s) while the other two reach the child's queue
     engine = EngineProcess(dict(synthetic=dict(step_s=0.05, max_batch=1, vocab_size=100)), got)
     started(engine, loop)
     try:
-        on_loop(loop, engine.add, request("running", [1], max_tokens=5, ignore_eos=True))
+        on_loop(loop, engine.add, request("running", [1], max_tokens=20, ignore_eos=True))
         on_loop(loop, lambda: engine.add(request("bulk", [1], max_tokens=1, ignore_eos=True), tier=1))
         on_loop(loop, lambda: engine.add(request("chat", [1], max_tokens=1, ignore_eos=True), tier=0))
         got.wait(lambda: len(got.finals) == 3)

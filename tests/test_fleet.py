@@ -148,8 +148,8 @@ async def test_a_bulk_request_handed_to_the_engine_first_waits_for_an_interactiv
 
     await make_topics(kafka_settings, partitions=1)
     # 8 rows, 2 more handed beyond them; the running requests end one by one, the first
-    # after ~2 s at 10 ms steps, well after both others are handed
-    running = [req(f"long-{i}", 200 + 40 * i) for i in range(8)]
+    # after ~4 s at 10 ms steps, well after both others are handed
+    running = [req(f"long-{i}", 400 + 40 * i) for i in range(8)]
     stop, task = await start_worker(kafka_settings, None, engine="synthetic", engine_in="thread",
                                     synthetic_step_s=0.01, max_batch=8)
     try:
