@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 
 import msgspec
@@ -404,7 +405,7 @@ async def test_replay_rebuilds_a_request_restarted_inside_its_range(kafka_settin
     assert "0 partial request(s) skipped" in err
 
 
-async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_settings, make_topics):
+async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_settings, make_topics, caplog):
     await make_topics(kafka_settings, partitions=2)
     request = make_request([1, 5, 6], request_id="lonely")
     async with GenpipeClient(settings=kafka_settings, timeout_s=1.5) as client:
@@ -421,7 +422,11 @@ async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_setti
     # error for a reply topic the workers' rule refuses goes to the results topic
     mine = f"{kafka_settings.topic_prefix}.team-replies"
     await create_topic(kafka_settings, mine)
-    async with GenpipeClient(settings=kafka_settings, reply_topic=mine, timeout_s=1.0) as client:
+    with caplog.at_level(logging.WARNING, logger="workers.client"):
+        client = GenpipeClient(settings=kafka_settings, reply_topic=mine, timeout_s=1.0)
+    # (told at once, where it used to learn it only from a timeout)
+    assert f"reply_topic {mine!r} does not match the workers' default --reply-topic-pattern" in caplog.text
+    async with client:
         with pytest.raises(GenpipeTimeout) as info:
             await client.complete(make_request([1, 5, 6], request_id="elsewhere"))
     assert "--reply-topic-pattern does not allow" in str(info.value)
@@ -642,3 +647,22 @@ async def test_a_request_too_large_for_kafka_is_the_caller_s_error_not_unavailab
     assert "too large for Kafka" in raised.value.message
     # and no cancel: generate remembers cancelled ids, and aborted the same id sent again, corrected
     assert await read_to_end(kafka_settings, kafka_settings.topic("cancel")) == []
+
+
+def test_a_reply_topic_no_worker_answers_on_is_refused_when_the_client_is_made(capsys):
+    """A reply topic that is one of the deployment's own topics, or not a topic name:
+    every request timed out; now the client (and `genpipe submit`) refuses it at once.
+    One the workers' default pattern refuses is a warning (the deployment may set
+    another): the test above."""
+    from workers.kafka.settings import KafkaSettings
+
+    settings = KafkaSettings(topic_prefix="acme")
+    for topic, message in [("acme.requests", "one of the deployment's own topics"),
+                           ("acme.dlq", "one of the deployment's own topics"),
+                           ("no spaces", "not a valid Kafka topic name")]:
+        with pytest.raises(ValueError, match=message):
+            GenpipeClient(settings=settings, reply_topic=topic)
+    assert GenpipeClient(settings=settings, reply_topic="acme.reply.team").reply_topic == "acme.reply.team"
+    assert main(["submit", "--topic-prefix", "acme", "--token-ids", "1,2", "--reply-topic", "acme.chunks",
+                 "--bootstrap-servers", "127.0.0.1:1"]) == 2
+    assert "reply_topic 'acme.chunks' is one of the deployment's own topics" in capsys.readouterr().err

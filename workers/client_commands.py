@@ -221,6 +221,13 @@ def run_submit(args: argparse.Namespace) -> int:
             deadline_s=args.deadline_s, priority=args.priority)
     except ValueError as exc:
         return fail(_one_line(exc))
+    if args.reply_topic:
+        from workers.client import check_reply_topic
+
+        try:
+            check_reply_topic(args.reply_topic, args.topic_prefix)  # (a doubtful one: a warning)
+        except ValueError as exc:
+            return fail(_one_line(exc))
     quiet_kafka_logs(args.verbose)
     try:
         return asyncio.run(_submit(args, request))
