@@ -422,7 +422,7 @@ async def test_no_workers_times_out_with_a_clear_message_and_cancels(kafka_setti
     # error for a reply topic the workers' rule refuses goes to the results topic
     mine = f"{kafka_settings.topic_prefix}.team-replies"
     await create_topic(kafka_settings, mine)
-    with caplog.at_level(logging.WARNING, logger="workers.client"):
+    with caplog.at_level(logging.WARNING, logger="workers.kafka.reply_topics"):
         client = GenpipeClient(settings=kafka_settings, reply_topic=mine, timeout_s=1.0)
     # (told at once, where it used to learn it only from a timeout)
     assert f"reply_topic {mine!r} does not match the workers' default --reply-topic-pattern" in caplog.text

@@ -90,7 +90,9 @@ class GenpipeClient:
         self.settings = settings
         self.reply_topic = reply_topic or settings.topic("results")
         if self.reply_topic != settings.topic("results"):
-            check_reply_topic(self.reply_topic, settings.topic_prefix)
+            from workers.kafka.reply_topics import check_client_reply_topic
+
+            check_client_reply_topic(self.reply_topic, settings.topic_prefix)
         self.timeout_s = float(timeout_s)
         self.send_timeout_s = float(send_timeout_s)
         self.cancel_on_abandon = cancel_on_abandon
@@ -459,29 +461,6 @@ class GenpipeClient:
         except TimeoutError:  # (the whole answer's deadline)
             raise self._timed_out(request.request_id, timeout, received, whole=True) from None
         return assemble(items)
-
-
-def check_reply_topic(topic: str, prefix: str) -> None:
-    """A reply topic no worker can answer on (not a topic name, or one of the deployment's
-    own topics) is a ValueError; one the workers' default `--reply-topic-pattern` refuses
-    is a warning, as a deployment may set another: a refused topic's answers go to the
-    results topic as errors, and the client waited its whole timeout for each request
-    before saying where to look."""
-    from workers.kafka.reply_topics import reply_topic_rule
-
-    results = f"{prefix}.results"
-    rule = reply_topic_rule(prefix)
-    if topic in rule.own_topics:
-        raise ValueError(f"reply_topic {topic!r} is one of the deployment's own topics: no worker answers there; "
-                         f"leave it out to read {results}, or name {prefix}.reply.<name>")
-    invalid = reply_topic_rule(prefix, ".+").problem(topic)  # (refused whatever the pattern)
-    if invalid is not None:
-        raise ValueError(invalid)
-    if rule.problem(topic) is not None:
-        log.warning("reply_topic %r does not match the workers' default --reply-topic-pattern (%s): unless this "
-                    "deployment's pattern allows it, every answer goes to %s as an error and this client waits its "
-                    "timeout for each request; %s.reply.<name> is allowed by default", topic,
-                    rule.compiled.pattern, results, prefix)
 
 
 def _error_info(message: str) -> ErrorInfo:

@@ -222,10 +222,10 @@ def run_submit(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(_one_line(exc))
     if args.reply_topic:
-        from workers.client import check_reply_topic
+        from workers.kafka.reply_topics import check_client_reply_topic
 
         try:
-            check_reply_topic(args.reply_topic, args.topic_prefix)  # (a doubtful one: a warning)
+            check_client_reply_topic(args.reply_topic, args.topic_prefix)  # (a doubtful one: a warning)
         except ValueError as exc:
             return fail(_one_line(exc))
     quiet_kafka_logs(args.verbose)

@@ -14,11 +14,13 @@ rights on it for that tenant alone (README, "Security").
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 from workers.kafka.settings import TOPIC_ROLES
 
+log = logging.getLogger(__name__)
 DEFAULT_PATTERN = r"{prefix}\.results|{prefix}\.reply\..+"
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -58,3 +60,24 @@ def reply_topic_rule(prefix: str, pattern: str | None = None) -> ReplyTopicRule:
         raise ReplyTopicPatternError(f"--reply-topic-pattern {pattern!r} is not a regular expression: {exc}") from None
     own = frozenset(f"{prefix}.{role}" for role in TOPIC_ROLES if role != "results")
     return ReplyTopicRule(prefix, pattern, compiled, own)
+
+
+def check_client_reply_topic(topic: str, prefix: str) -> None:
+    """A client's own reply topic (`GenpipeClient`, `genpipe submit`): one no worker can answer on (not a topic name, or one of the deployment's
+    own topics) is a ValueError; one the workers' default `--reply-topic-pattern` refuses
+    is a warning, as a deployment may set another: a refused topic's answers go to the
+    results topic as errors, and the client waited its whole timeout for each request
+    before saying where to look."""
+    results = f"{prefix}.results"
+    rule = reply_topic_rule(prefix)
+    if topic in rule.own_topics:
+        raise ValueError(f"reply_topic {topic!r} is one of the deployment's own topics: no worker answers there; "
+                         f"leave it out to read {results}, or name {prefix}.reply.<name>")
+    invalid = reply_topic_rule(prefix, ".+").problem(topic)  # (refused whatever the pattern)
+    if invalid is not None:
+        raise ValueError(invalid)
+    if rule.problem(topic) is not None:
+        log.warning("reply_topic %r does not match the workers' default --reply-topic-pattern (%s): unless this "
+                    "deployment's pattern allows it, every answer goes to %s as an error and this client waits its "
+                    "timeout for each request; %s.reply.<name> is allowed by default", topic,
+                    rule.compiled.pattern, results, prefix)
