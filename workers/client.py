@@ -77,7 +77,8 @@ class GenpipeClient:
     reader gets `GenpipeOverflow` (a `GenpipeError`, code 500): the HTTP gateway sets it,
     so a client that stops reading its stream cannot make the gateway grow without end.
     `max_record_bytes`: the largest request record it sends (default ~1 MB, under
-    Kafka's default limit; the workers' --max-record-bytes, raised with the broker's).
+    Kafka's default limit; the workers' --max-record-bytes, raised with the broker's), and
+    the result record `complete()` judges a non-streamed answer's size against.
     """
 
     def __init__(self, bootstrap_servers: str | None = None, *, settings: KafkaSettings | None = None,
@@ -383,8 +384,7 @@ class GenpipeClient:
     def _timed_out(self, rid: str, timeout: float, received: int, whole: bool = False) -> GenpipeTimeout:
         """`whole`: the deadline of a whole answer (`complete`), not of a record's wait."""
         if whole and received:  # (it was generated, not as fast as the deadline asked)
-            what = (f"request {rid}: its answer did not come whole within {timeout:g} s ({received} result "
-                    f"records came)")
+            what = f"request {rid}: its answer did not come whole within {timeout:g} s, after {received} result records"
             return GenpipeTimeout(f"{what}: give it a longer timeout, or ask for fewer tokens", request_id=rid,
                                   public_message=what)
         what = (f"no result for request {rid} within {timeout:g} s" if received == 0 else
@@ -443,23 +443,26 @@ class GenpipeClient:
         items: list[Result] = []
         counted = budget if request.output.stream else None
         received = 0
-        try:
-            async with asyncio.timeout(whole), contextlib.aclosing(
-                    self.records(request, timeout_s=timeout)) as records:
-                async for record in records:  # (left early, by an error: `records` cancels the request)
-                    received += 1
-                    if counted is not None and not counted.take(len(record.raw)):
-                        raise GenpipeError(f"request {record.request_id}: the answer passed {counted.limit} bytes: "
-                                           f"ask for fewer tokens, logprobs or choices, or stream",
-                                           "invalid_request_error", code=400, request_id=record.request_id)
-                    raise_for_error(record.value, record.request_id)
-                    if record.restart:  # (a generate worker died: its new attempt's records from here)
-                        items.clear()
-                    items.append(record.value)
-        except GenpipeTimeout:
-            raise
-        except TimeoutError:  # (the whole answer's deadline)
-            raise self._timed_out(request.request_id, timeout, received, whole=True) from None
+        # Left early (an error, the deadline): `records` cancels the request, outside the
+        # deadline (inside it, a deadline due meanwhile cut the cancel short)
+        async with contextlib.aclosing(self.records(request, timeout_s=timeout)) as records:
+            deadline = asyncio.timeout(whole)
+            try:
+                async with deadline:
+                    async for record in records:
+                        received += 1
+                        if counted is not None and not counted.take(len(record.raw)):
+                            raise GenpipeError(f"request {record.request_id}: the answer passed {counted.limit} "
+                                               f"bytes: ask for fewer tokens, logprobs or choices, or stream",
+                                               "invalid_request_error", code=400, request_id=record.request_id)
+                        raise_for_error(record.value, record.request_id)
+                        if record.restart:  # (a generate worker died: its new attempt's records from here)
+                            items.clear()
+                        items.append(record.value)
+            except TimeoutError:  # (GenpipeTimeout is one: a record's wait)
+                if not deadline.expired():
+                    raise
+                raise self._timed_out(request.request_id, timeout, received, whole=True) from None
         return assemble(items)
 
 
@@ -468,7 +471,8 @@ def _error_info(message: str) -> ErrorInfo:
 
 
 __all__ = [
-    "AnswerBudget", "GenpipeClient", "GenpipeError", "GenpipeOverflow", "GenpipeTimeout", "GenpipeUnavailable", "Restart",
+    "AnswerBudget", "GenpipeClient", "GenpipeError", "GenpipeOverflow", "GenpipeTimeout", "GenpipeUnavailable",
+    "Restart",
     "ResultMessage",
     "AttemptFilter", "assemble", "decode_result", "make_request", "render_chat", "render_prompt", "record_json",
     "text_of", "raise_for_error", "load_tokenizer", "Result",

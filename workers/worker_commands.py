@@ -197,7 +197,8 @@ def register(sub) -> None:
                           "(env GENPIPE_DTYPE; default %(default)s)")
     gen.add_argument("--max-batch", type=at_least(1), default=os.environ.get("GENPIPE_MAX_BATCH", "32"),
                      help="requests decoded together (KV cache rows; env GENPIPE_MAX_BATCH; default %(default)s)")
-    gen.add_argument("--max-model-len", type=at_least(1), default=None, help="context length (default: the model's)")
+    gen.add_argument("--max-model-len", type=at_least(1), default=os.environ.get("GENPIPE_MAX_MODEL_LEN"),
+                     help="context length (env GENPIPE_MAX_MODEL_LEN, which `serve` reads too; default: the model's)")
     gen.add_argument("--prefill-chunk", type=at_least(1), default=512,
                      help="prompt tokens prefilled per step, so long prompts don't stall decoding")
     gen.add_argument("--cuda-graphs", default=os.environ.get("GENPIPE_CUDA_GRAPHS", "auto"),

@@ -59,7 +59,7 @@ class Engine:
     def validate(self, request) -> None:
         self._validate(request, **self._limits)
 
-    def add(self, request, *, validated: bool = False) -> None:  # (code before `validated`: always False)
+    def add(self, request, *, validated: bool = False, tier: int = 0) -> None:  # (before `validated`: False)
         if not validated:
             self.validate(request)
         self._encode(self._add(request))

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -71,18 +71,19 @@ class GatewayConfig:
     # and <prefix>-derender, their default --group-id
     worker_groups: dict[str, str] | None = None
     max_record_bytes: int = MAX_RECORD_BYTES  # a request record larger: 413 (the workers' --max-record-bytes)
-    # The result records a non-streamed request's choices asked for streamed inside may
-    # hold, all told (fanout.py): past it, a 400
+    # The result records of a non-streamed request's answers assembled from streamed ones
+    # (GenpipeClient.complete: an AnswerBudget per HTTP request) may hold, all told: past it, a 400
     max_answer_bytes: int = 16 << 20
     # The deployment's context length (the generate workers' --max-model-len); None: the
     # tokenizer directory's config.json, if it says
     max_model_len: int | None = None
-    # Web origins whose pages may call the gateway from a browser (CORS); none: no CORS
-    # headers, so browsers keep other sites' pages from reading its answers
+    # Web origins whose pages may read the gateway's answers in a browser (CORS); none: no
+    # CORS headers, so browsers keep other sites' pages from reading them (who may
+    # generate at all is `api_keys`')
     allowed_origins: tuple[str, ...] = ()
     # Keys a caller must send (Authorization: Bearer <key>), any one of them; none: no
     # check (api_keys.py)
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

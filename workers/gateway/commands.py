@@ -30,6 +30,15 @@ def _origins(text: str) -> tuple[str, ...]:
     return origins
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _default_gateway_id() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100] or "gw"
 
@@ -71,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         worker_groups=worker_groups(args, settings.topic_prefix), max_record_bytes=args.max_record_bytes,
         max_answer_bytes=args.max_answer_mib << 20, max_model_len=args.max_model_len,
         allowed_origins=args.allowed_origins, api_keys=args.api_key))
-    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not args.api_key and not _loopback(args.host):
         logging.getLogger(__name__).warning(
             "serving on %s without --api-key: whoever reaches port %d may generate", args.host, args.port)
     # uvicorn's "auto" picks httptools and uvloop, which genpipe depends on: every streamed
@@ -144,10 +153,11 @@ def register(sub) -> None:
                             "get 401. /health and /metrics stay open. Best given in the environment, "
                             "GENPIPE_API_KEY, off the command line (default: none, no check)")
     serve.add_argument("--allowed-origins", type=_origins, default=os.environ.get("GENPIPE_ALLOWED_ORIGINS", ""),
-                       help="web origins whose pages may call the gateway from a browser (CORS), comma-separated: "
+                       help="web origins whose pages may read the gateway's answers in a browser (CORS), "
+                            "comma-separated: "
                             "https://app.example.com,http://localhost:3000, or * for any (env "
-                            "GENPIPE_ALLOWED_ORIGINS; default: none, no CORS headers). Without --api-key, "
-                            "allow only pages you trust to spend the gateway's capacity")
+                            "GENPIPE_ALLOWED_ORIGINS; default: none, no CORS headers). Who may generate is "
+                            "--api-key's to decide: a page's plain POST needs no CORS")
     serve.add_argument("--max-model-len", type=at_least(1), default=os.environ.get("GENPIPE_MAX_MODEL_LEN"),
                        help="the served context length in tokens, as the generate workers' --max-model-len: a "
                             "prompt this long or longer gets 400 here, and /v1/models and /tokenize report it "

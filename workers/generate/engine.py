@@ -98,8 +98,8 @@ class Engine:
         """Validate (unless the caller did: `validated`) and queue, by priority and `tier`
         (0 interactive, 1 bulk); the next step() admits it. Raises ValidationError (an id
         already running: always)."""
-        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
-                        max_model_len=self.max_model_len)
+        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs,
+                        vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End the request at the next step with a final output (finish_reason "abort",

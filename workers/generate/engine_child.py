@@ -251,6 +251,7 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
     if not stopped:  # the engine failed: its Failed goes to the worker before we exit
         thread.stop()
         outbox.close()
+        logging.shutdown()
     # Stopped by the worker, which reads no more steps: out at once, the engine mid-step
     # or not. Waiting for the engine thread and the outbox (a step the worker would not
     # read) held a child whose write waited on a full pipe, the worker blocked in
@@ -258,6 +259,7 @@ def child_main(commands, steps, engine_options: dict[str, Any], min_step_s: floa
     # a shutdown under load (tests/test_engine_process.py).
     # Skip the interpreter's teardown: its collections over every object torch and
     # transformers made kept a core busy for ~2 s after each stop (measured), and the
-    # worker waits for us. Nothing is left to clean up: the OS frees the rest.
-    logging.shutdown()
+    # worker waits for us. Nothing is left to clean up: the OS frees the rest. (Nor is
+    # logging shut down with the threads still running: a handler's lock held by one
+    # stuck on a full stderr would hold the exit. A line logged is written already.)
     os._exit(0)

@@ -2,7 +2,7 @@
 way and how they are framed. engine_process.py is the worker's side, engine_child.py the
 child's (docs/design.md §4).
 
-    parent → child   Add(request) | Abort(request_id, reason) | Tune(lagging, stretch) | Stop()
+    parent → child   Add(request, tier) | Abort(request_id, reason) | Tune(lagging, stretch) | Stop()
     child → parent   Ready(limits) | Step(outputs, step_s) | Failed(error)
 """
 

@@ -7,7 +7,7 @@ from another process cost it nothing (BENCHMARKS.md, engine (c)). So by default 
 worker runs the engine and its stepping thread (`EngineThread`) in a child process,
 like vLLM v1's engine core, and talks to it through two one-way pipes:
 
-    parent → child   Add(request) | Abort(request_id, reason) | Tune(lagging, stretch) | Stop()
+    parent → child   Add(request, tier) | Abort(request_id, reason) | Tune(lagging, stretch) | Stop()
     child → parent   Ready(limits) | Step(outputs, step_s) | Failed(error)
 
 (the messages and their framing: engine_pipe.py; the child's side: engine_child.py).

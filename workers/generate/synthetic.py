@@ -99,8 +99,8 @@ class SyntheticEngine:
     # --- any thread ----------------------------------------------------------------
 
     def add(self, request: GenerateRequest, *, validated: bool = False, tier: int = 0) -> None:
-        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size,
-                        max_model_len=self.max_model_len)
+        self._inbox.add(request, validated=validated, tier=tier, max_logprobs=self.max_logprobs,
+                        vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._inbox.abort(request_id, reason)

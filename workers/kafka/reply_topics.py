@@ -63,11 +63,11 @@ def reply_topic_rule(prefix: str, pattern: str | None = None) -> ReplyTopicRule:
 
 
 def check_client_reply_topic(topic: str, prefix: str) -> None:
-    """A client's own reply topic (`GenpipeClient`, `genpipe submit`): one no worker can answer on (not a topic name, or one of the deployment's
-    own topics) is a ValueError; one the workers' default `--reply-topic-pattern` refuses
-    is a warning, as a deployment may set another: a refused topic's answers go to the
-    results topic as errors, and the client waited its whole timeout for each request
-    before saying where to look."""
+    """A client's own reply topic (`GenpipeClient`, `genpipe submit`): one no worker can
+    answer on (not a topic name, or one of the deployment's own topics) is a ValueError;
+    one the workers' default `--reply-topic-pattern` refuses is a warning, as a deployment
+    may set another: a refused topic's answers go to the results topic as errors, and the
+    client waited its whole timeout for each request before saying where to look."""
     results = f"{prefix}.results"
     rule = reply_topic_rule(prefix)
     if topic in rule.own_topics:

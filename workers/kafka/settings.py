@@ -68,19 +68,18 @@ class KafkaSettings:
 
     def ssl_context(self) -> ssl.SSLContext:
         """The TLS context of `--security-protocol SSL / SASL_SSL`. A file it cannot use is
-        a UsageError naming the option and the file: it was a bare "[Errno 2] No such file
-        or directory" or "[SSL] PEM lib". An encrypted key without `ssl_password` is one
-        too: OpenSSL's own fallback prompted for the passphrase on the terminal, once per
-        Kafka client a command makes, and without a terminal failed with "Invalid argument"."""
-        from workers.startup import UsageError
-
+        a `TlsFileError` (a ValueError) naming the option and the file: it was a bare
+        "[Errno 2] No such file or directory" or "[SSL] PEM lib". An encrypted key without
+        `ssl_password` is one too: OpenSSL's own fallback prompted for the passphrase on
+        the terminal, once per Kafka client a command makes, and without a terminal failed
+        with "Invalid argument"."""
         try:
             context = ssl.create_default_context(cafile=self.ssl_cafile)
         except (OSError, ssl.SSLError) as exc:
-            raise UsageError(f"--ssl-cafile {self.ssl_cafile}: not a readable PEM file of CA certificates "
-                             f"({_reason(exc)})") from None
+            raise TlsFileError(f"--ssl-cafile {self.ssl_cafile}: not a readable PEM file of CA certificates "
+                               f"({_reason(exc)})") from exc
         if self.ssl_keyfile and not self.ssl_certfile:
-            raise UsageError(f"--ssl-keyfile {self.ssl_keyfile} is given without --ssl-certfile, its certificate")
+            raise TlsFileError(f"--ssl-keyfile {self.ssl_keyfile} is given without --ssl-certfile, its certificate")
         if self.ssl_certfile:
             files = f"--ssl-certfile {self.ssl_certfile}" + (f" --ssl-keyfile {self.ssl_keyfile}"
                                                               if self.ssl_keyfile else "")
@@ -88,12 +87,12 @@ class KafkaSettings:
                 context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile,
                                         password=self.ssl_password if self.ssl_password else _no_passphrase)
             except _KeyEncrypted:
-                raise UsageError(f"{files}: the private key is encrypted: give its passphrase with "
-                                 f"--ssl-password (env GENPIPE_SSL_PASSWORD)") from None
+                raise TlsFileError(f"{files}: the private key is encrypted: give its passphrase with "
+                                   f"--ssl-password (env GENPIPE_SSL_PASSWORD)") from None
             except (OSError, ssl.SSLError) as exc:
-                raise UsageError(f"{files}: cannot load the client certificate and its key ({_reason(exc)}: a "
-                                 f"missing file, not PEM, a key that is not the certificate's"
-                                 f"{', or a wrong --ssl-password' if self.ssl_password else ''})") from None
+                raise TlsFileError(f"{files}: cannot load the client certificate and its key ({_reason(exc)}: a "
+                                   f"missing file, not PEM, a key that is not the certificate's"
+                                   f"{', or a wrong --ssl-password' if self.ssl_password else ''})") from exc
         return context
 
     @classmethod
@@ -174,8 +173,18 @@ class KafkaSettings:
             ssl_password=args.ssl_password,
         )
         if settings.security_protocol in ("SSL", "SASL_SSL"):
-            settings.ssl_context()
+            from workers.startup import UsageError
+
+            try:
+                settings.ssl_context()
+            except TlsFileError as exc:
+                raise UsageError(str(exc)) from None
         return settings
+
+
+class TlsFileError(ValueError):
+    """A TLS file (CA, certificate, key) that cannot be used, or a key's passphrase missing
+    or wrong; the message names the option and the file."""
 
 
 class _KeyEncrypted(Exception):
