@@ -14,7 +14,9 @@ SIGKILL, real HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 
 import httpx
 import pytest
@@ -167,3 +169,53 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
     assert codes["generate-0"] == 0 and codes["derender-0"] == 0, codes
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it (exit status -15 / 143)
     assert codes["gateway-again"] in (0, -15) and "Application shutdown complete" in workers.log("gateway-again")
+
+
+async def test_a_gateway_told_to_stop_ends_its_open_streams_within_its_shutdown_timeout(
+        kafka_settings, make_topics, tiny_model_dir, tmp_path):
+    """SIGTERM with a stream open: uvicorn waited for the stream to end, however long it
+    ran (here ~40 s of tokens), so a gateway under an orchestrator was killed at its grace
+    period, and nothing cancelled the request, which ran on unread. Now the stream is ended
+    after --shutdown-timeout, its request cancelled, and the gateway exits."""
+    import signal
+    import subprocess
+
+    from schemas import Cancel
+    from tests.process_helpers import free_port
+    from workers.kafka.records import decode_message
+
+    await make_topics(kafka_settings, partitions=1)
+    workers = WorkerProcesses(tmp_path)
+    common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
+    workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
+                  *common)
+    workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+    port = free_port()
+    try:
+        workers.wait_ready()
+        gateway = workers.start("gateway", "serve", "--port", str(port), "--gateway-id", "gw-stop", "--tokenizer",
+                                str(tiny_model_dir), "--model-name", "tiny", "--shutdown-timeout", "1", *common)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        events: list[dict] = []
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            await _wait_healthy(http, gateway)
+            with contextlib.suppress(httpx.RemoteProtocolError):  # (the body cut before its end)
+                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                    assert stream.status_code == 200
+                    async for line in stream.aiter_lines():
+                        if line.startswith("data: {"):
+                            events.append(json.loads(line[len("data: "):]))
+                            if len(events) == 1:
+                                os.killpg(gateway.pid, signal.SIGTERM)
+        try:
+            code = await asyncio.to_thread(gateway.wait, 30)  # (the stream alone had ~40 s to run)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the gateway did not stop:\n{workers.log('gateway')[-2000:]}") from None
+        assert code in (0, -signal.SIGTERM), workers.log("gateway")[-2000:]
+        assert events and len(events) < 1000, len(events)
+        request_id = events[0]["id"].removeprefix("cmpl-")
+        await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30, until=lambda records: request_id in {
+            decode_message(r, Cancel).request_id for r in records})
+    finally:
+        codes = workers.stop_all()
+    assert codes["generate-0"] == 0 and codes["derender-0"] == 0, codes

@@ -155,11 +155,15 @@ class GenpipeClient:
         self._closed = None
         self._dispatcher = asyncio.ensure_future(self._dispatch())
 
-    async def close(self) -> None:
+    async def close(self, *, cancel_waiting: bool | None = None) -> None:
         """Stop the client. Requests still waiting for their answers are cancelled first
-        (unless `cancel_on_abandon=False`), as a reader that gives up cancels its own: their
-        readers then raise, with the producer gone, and the requests ran on for nobody."""
-        if self.cancel_on_abandon and self._producer is not None:
+        (`cancel_waiting`; None: unless `cancel_on_abandon=False`), as a reader that gives
+        up cancels its own: their readers then raise, with the producer gone, and the
+        requests ran on for nobody. Cancels already under way (`cancel_soon`) go out too,
+        within the same wait: the producer's stop dropped them."""
+        if cancel_waiting is None:
+            cancel_waiting = self.cancel_on_abandon
+        if cancel_waiting and self._producer is not None:
             waiting = [rid for rid, mailbox in self._waiting.items()
                        if mailbox.started and not mailbox.answered and not mailbox.overflowed]
             if waiting:
@@ -169,6 +173,8 @@ class GenpipeClient:
                 except asyncio.TimeoutError:
                     log.warning("could not cancel %d waiting requests within %g s of closing", len(waiting),
                                 CLOSE_WAIT_S)
+        if self._background:  # (each one logs its own failure)
+            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
         dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
             dispatcher.cancel()

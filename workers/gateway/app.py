@@ -125,7 +125,10 @@ class Gateway:
 
     async def close(self) -> None:
         self.stall_watch.close()
-        await self.client.close()
+        # Requests still open when the gateway stops (uvicorn ended them past
+        # --shutdown-timeout): nobody reads their answers now, so they are cancelled, those
+        # still waiting here and those whose streams were closed first (`cancel_soon`)
+        await self.client.close(cancel_waiting=True)
 
     def app(self) -> Starlette:
         middleware = []

@@ -88,7 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
     # token (BENCHMARKS.md, "HTTP gateway").
     # log_config None: uvicorn's lines (its access log too, which it printed to stdout)
     # go through the root logger set up above, to stderr, escaped as genpipe's own
-    uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower(), log_config=None)
+    # timeout_graceful_shutdown: told to stop, uvicorn waited for every open request with no
+    # end: a stream of minutes held the gateway until its orchestrator killed it, and then
+    # nothing cancelled the requests, which ran on unread
+    uvicorn.run(gateway.app(), host=args.host, port=args.port, log_level=args.log_level.lower(), log_config=None,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -147,6 +151,12 @@ def register(sub) -> None:
                        help="seconds a non-streamed request waits for its answer, which comes whole when the "
                             "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
                             "header X-Request-Timeout) raises it (default %(default)s)")
+    serve.add_argument("--shutdown-timeout", type=at_least(0.0, float), default=20.0,
+                       help="seconds a gateway told to stop (SIGTERM, Ctrl-C) waits for its open requests to "
+                            "end; those still open then end too (a stream is cut before its [DONE]) and their "
+                            "requests are cancelled. Keep it under the orchestrator's grace period (Kubernetes: "
+                            "30 s), which kills the gateway, its requests left running unread (default "
+                            "%(default)s)")
     serve.add_argument("--api-key", type=api_keys, default=os.environ.get("GENPIPE_API_KEY", ""),
                        help="keys a caller must send as `Authorization: Bearer <key>` (an OpenAI SDK's api_key), "
                             "comma-separated, any one of them valid (to rotate a key without downtime); others "
