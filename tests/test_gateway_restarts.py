@@ -110,6 +110,16 @@ async def test_a_generate_worker_killed_under_http_requests(kafka_settings, make
     assert all(codes[name] == 0 for name in alive + ["derender-0"]), codes
 
 
+def start_workers(workers: WorkerProcesses, settings, tokenizer) -> list[str]:
+    """A generate worker on the synthetic engine (20 ms steps) and a derender, as processes;
+    returns the Kafka arguments they were given, for a gateway beside them."""
+    common = ["--bootstrap-servers", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix]
+    workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
+                  *common)
+    workers.start("derender-0", "derender-worker", "--tokenizer", str(tokenizer), *common)
+    return common
+
+
 async def _wait_healthy(http: httpx.AsyncClient, proc, timeout: float = 120.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -132,10 +142,7 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
 
     await make_topics(kafka_settings, partitions=1)
     workers = WorkerProcesses(tmp_path)
-    common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
-    workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
-                  *common)
-    workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+    common = start_workers(workers, kafka_settings, tiny_model_dir)
     port = free_port()
     serve = ["serve", "--port", str(port), "--gateway-id", "gw-restart", "--tokenizer", str(tiny_model_dir),
              "--model-name", "tiny", *common]
@@ -186,10 +193,7 @@ async def test_a_gateway_told_to_stop_ends_its_open_streams_within_its_shutdown_
 
     await make_topics(kafka_settings, partitions=1)
     workers = WorkerProcesses(tmp_path)
-    common = ["--bootstrap-servers", kafka_settings.bootstrap_servers, "--topic-prefix", kafka_settings.topic_prefix]
-    workers.start("generate-0", "generate-worker", "--engine", "synthetic", "--step-ms", "20", "--max-batch", "8",
-                  *common)
-    workers.start("derender-0", "derender-worker", "--tokenizer", str(tiny_model_dir), *common)
+    common = start_workers(workers, kafka_settings, tiny_model_dir)
     port = free_port()
     try:
         workers.wait_ready()
