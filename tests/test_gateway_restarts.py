@@ -178,16 +178,18 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
     assert codes["gateway-again"] in (0, -15) and "Application shutdown complete" in workers.log("gateway-again")
 
 
-async def test_a_gateway_told_to_stop_ends_its_open_streams_within_its_shutdown_timeout(
+async def test_a_gateway_told_to_stop_ends_its_open_requests_within_its_shutdown_timeout(
         kafka_settings, make_topics, tiny_model_dir, tmp_path):
-    """SIGTERM with a stream open: uvicorn waited for the stream to end, however long it
-    ran (here ~40 s of tokens), so a gateway under an orchestrator was killed at its grace
-    period, and nothing cancelled the request, which ran on unread. Now the stream is ended
-    after --shutdown-timeout, its request cancelled, and the gateway exits."""
+    """SIGTERM with a stream and a non-streamed request open: uvicorn waited for them to
+    end, however long they ran (here ~40 s of tokens), so a gateway under an orchestrator
+    was killed at its grace period, and nothing cancelled the requests, which ran on
+    unread. Now both are ended after --shutdown-timeout (the stream before its [DONE]),
+    their requests cancelled, and the gateway exits."""
     import signal
     import subprocess
 
-    from schemas import Cancel
+    from schemas import Cancel, GenerateRequest
+    from tests.kafka_helpers import read_to_end
     from tests.process_helpers import free_port
     from workers.kafka.records import decode_message
 
@@ -199,26 +201,31 @@ async def test_a_gateway_told_to_stop_ends_its_open_streams_within_its_shutdown_
         workers.wait_ready()
         gateway = workers.start("gateway", "serve", "--port", str(port), "--gateway-id", "gw-stop", "--tokenizer",
                                 str(tiny_model_dir), "--model-name", "tiny", "--shutdown-timeout", "1", *common)
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        events: list[dict] = []
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+        events: list[str] = []
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
             await _wait_healthy(http, gateway)
+            whole = asyncio.ensure_future(http.post("/v1/completions", json=body))
             with contextlib.suppress(httpx.RemoteProtocolError):  # (the body cut before its end)
-                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
                     assert stream.status_code == 200
                     async for line in stream.aiter_lines():
-                        if line.startswith("data: {"):
-                            events.append(json.loads(line[len("data: "):]))
+                        if line.startswith("data: "):
+                            events.append(line[len("data: "):])
                             if len(events) == 1:
                                 os.killpg(gateway.pid, signal.SIGTERM)
+            with contextlib.suppress(httpx.HTTPError):
+                assert (await whole).status_code == 500  # (uvicorn's, for a response it ended unsent)
+        assert "[DONE]" not in events, "the stream ran to its end: the gateway waited for it"
         try:
-            code = await asyncio.to_thread(gateway.wait, 30)  # (the stream alone had ~40 s to run)
+            code = await asyncio.to_thread(gateway.wait, 30)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the gateway did not stop:\n{workers.log('gateway')[-2000:]}") from None
         assert code in (0, -signal.SIGTERM), workers.log("gateway")[-2000:]
-        assert events and len(events) < 1000, len(events)
-        request_id = events[0]["id"].removeprefix("cmpl-")
-        await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30, until=lambda records: request_id in {
+        sent = {decode_message(r, GenerateRequest).request_id
+                for r in await read_to_end(kafka_settings, kafka_settings.topic("requests"))}
+        assert len(sent) == 2 and json.loads(events[0])["id"].removeprefix("cmpl-") in sent
+        await read_topic(kafka_settings, kafka_settings.topic("cancel"), timeout=30, until=lambda records: sent <= {
             decode_message(r, Cancel).request_id for r in records})
     finally:
         codes = workers.stop_all()

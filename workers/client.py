@@ -160,21 +160,21 @@ class GenpipeClient:
         (`cancel_waiting`; None: unless `cancel_on_abandon=False`), as a reader that gives
         up cancels its own: their readers then raise, with the producer gone, and the
         requests ran on for nobody. Cancels already under way (`cancel_soon`) go out too,
-        within the same wait: the producer's stop dropped them."""
+        and the producer's records: all within one wait, `CLOSE_WAIT_S` (the producer's stop
+        dropped those cancels; and waits one after another, with Kafka away, made a
+        gateway's stop pass an orchestrator's grace period)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
         if cancel_waiting is None:
             cancel_waiting = self.cancel_on_abandon
         if cancel_waiting and self._producer is not None:
-            waiting = [rid for rid, mailbox in self._waiting.items()
-                       if mailbox.started and not mailbox.answered and not mailbox.overflowed]
-            if waiting:
-                try:
-                    await asyncio.wait_for(asyncio.gather(*(self.cancel(rid, "the client closed") for rid in waiting),
-                                                          return_exceptions=True), CLOSE_WAIT_S)
-                except asyncio.TimeoutError:
-                    log.warning("could not cancel %d waiting requests within %g s of closing", len(waiting),
-                                CLOSE_WAIT_S)
+            for rid, mailbox in list(self._waiting.items()):
+                if mailbox.started and not mailbox.answered and not mailbox.overflowed:
+                    self.cancel_soon(rid, "the client closed")
+        while self._background and loop.time() < deadline:  # (a cancel may start while we wait)
+            await asyncio.wait(set(self._background), timeout=deadline - loop.time())
         if self._background:  # (each one logs its own failure)
-            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
+            log.warning("could not send %d cancels within %g s of closing", len(self._background), CLOSE_WAIT_S)
         dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
             dispatcher.cancel()
@@ -189,8 +189,8 @@ class GenpipeClient:
             if consumer is not None:
                 await stop_consumer(consumer, "genpipe client")
         finally:
-            if producer is not None:
-                await stop_producer(producer, CLOSE_WAIT_S, "genpipe client")
+            if producer is not None:  # (what is left of the wait; a second at least)
+                await stop_producer(producer, max(1.0, deadline - loop.time()), "genpipe client")
 
     @property
     def reader_error(self) -> BaseException | None:

@@ -188,6 +188,13 @@ def run_submit(args: argparse.Namespace) -> int:
         print(f"genpipe submit: {message}", file=sys.stderr)
         return code
 
+    if args.reply_topic:  # (before the tokenizer loads; a doubtful one is the client's warning)
+        from workers.kafka.reply_topics import check_client_reply_topic
+
+        try:
+            check_client_reply_topic(args.reply_topic, args.topic_prefix, warn=False)
+        except ValueError as exc:
+            return fail(_one_line(exc))
     kind = args.kind or ("chat" if (args.chat or args.chat_file) else "completion")
     if args.token_ids is not None:
         ids = args.token_ids
@@ -221,13 +228,6 @@ def run_submit(args: argparse.Namespace) -> int:
             deadline_s=args.deadline_s, priority=args.priority)
     except ValueError as exc:
         return fail(_one_line(exc))
-    if args.reply_topic:
-        from workers.kafka.reply_topics import check_client_reply_topic
-
-        try:
-            check_client_reply_topic(args.reply_topic, args.topic_prefix)  # (a doubtful one: a warning)
-        except ValueError as exc:
-            return fail(_one_line(exc))
     quiet_kafka_logs(args.verbose)
     try:
         return asyncio.run(_submit(args, request))

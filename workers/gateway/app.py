@@ -288,6 +288,10 @@ class Gateway:
             except Exception as exc:  # the client's reader failed, it stopped
                 return error_response(503, self._unserved(exc, choices[0].request_id), "service_unavailable")
             return Response(_json.encode(merge_final(results, prompt_of)), media_type="application/json")
+        except asyncio.CancelledError:  # (uvicorn ended it: the gateway stops, past --shutdown-timeout)
+            for c in choices:
+                self.client.cancel_soon(c.request_id, "the gateway stopped")
+            raise
         finally:
             gone.cancel()
             for wait in waits:  # (a choice failed: the others' reading stops now, not at their end)

@@ -151,12 +151,13 @@ def register(sub) -> None:
                        help="seconds a non-streamed request waits for its answer, which comes whole when the "
                             "request ends, before it gets 504; a request's own timeout (body \"timeout\", "
                             "header X-Request-Timeout) raises it (default %(default)s)")
-    serve.add_argument("--shutdown-timeout", type=at_least(0.0, float), default=20.0,
+    serve.add_argument("--shutdown-timeout", type=at_least(0.0, float), default=15.0,
                        help="seconds a gateway told to stop (SIGTERM, Ctrl-C) waits for its open requests to "
-                            "end; those still open then end too (a stream is cut before its [DONE]) and their "
-                            "requests are cancelled. Keep it under the orchestrator's grace period (Kubernetes: "
-                            "30 s), which kills the gateway, its requests left running unread (default "
-                            "%(default)s)")
+                            "end; those still open then end too (a stream is cut before its [DONE], a "
+                            "non-streamed request gets a 500) and their requests are cancelled, which takes up "
+                            "to 10 s more with Kafka away. Keep the two under the orchestrator's grace period "
+                            "(Kubernetes: 30 s), which kills the gateway, its requests left running unread "
+                            "(default %(default)s)")
     serve.add_argument("--api-key", type=api_keys, default=os.environ.get("GENPIPE_API_KEY", ""),
                        help="keys a caller must send as `Authorization: Bearer <key>` (an OpenAI SDK's api_key), "
                             "comma-separated, any one of them valid (to rotate a key without downtime); others "

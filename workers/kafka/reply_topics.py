@@ -15,6 +15,7 @@ rights on it for that tenant alone (README, "Security").
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class ReplyTopicRule:
 
     def problem(self, topic: str) -> str | None:
         """Why `topic` may not be a reply topic (one sentence naming the parameter), or None."""
-        if not _TOPIC_NAME.fullmatch(topic):
+        if not _TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):  # (Kafka refuses those two)
             return f"reply_topic is not a valid Kafka topic name: {topic[:300]!r}"
         if topic in self.own_topics:
             return (f"reply_topic {topic!r} is one of this deployment's own topics; results go to "
@@ -62,22 +63,30 @@ def reply_topic_rule(prefix: str, pattern: str | None = None) -> ReplyTopicRule:
     return ReplyTopicRule(prefix, pattern, compiled, own)
 
 
-def check_client_reply_topic(topic: str, prefix: str) -> None:
+def check_client_reply_topic(topic: str, prefix: str, warn: bool = True) -> None:
     """A client's own reply topic (`GenpipeClient`, `genpipe submit`): one no worker can
     answer on (not a topic name, or one of the deployment's own topics) is a ValueError;
     one the workers' default `--reply-topic-pattern` refuses is a warning, as a deployment
     may set another: a refused topic's answers go to the results topic as errors, and the
-    client waited its whole timeout for each request before saying where to look."""
+    client waited its whole timeout for each request before saying where to look. The
+    pattern is GENPIPE_REPLY_TOPIC_PATTERN where the client's environment has the workers'
+    (else their default). `warn=False`: the ValueError only."""
     results = f"{prefix}.results"
-    rule = reply_topic_rule(prefix)
+    rule = reply_topic_rule(prefix, os.environ.get("GENPIPE_REPLY_TOPIC_PATTERN") or None)
     if topic in rule.own_topics:
         raise ValueError(f"reply_topic {topic!r} is one of the deployment's own topics: no worker answers there; "
                          f"leave it out to read {results}, or name {prefix}.reply.<name>")
     invalid = reply_topic_rule(prefix, ".+").problem(topic)  # (refused whatever the pattern)
     if invalid is not None:
         raise ValueError(invalid)
-    if rule.problem(topic) is not None:
+    if not warn or rule.problem(topic) is None:
+        return
+    if rule.pattern == DEFAULT_PATTERN:
         log.warning("reply_topic %r does not match the workers' default --reply-topic-pattern (%s): unless this "
                     "deployment's pattern allows it, every answer goes to %s as an error and this client waits its "
                     "timeout for each request; %s.reply.<name> is allowed by default", topic,
                     rule.compiled.pattern, results, prefix)
+    else:
+        log.warning("reply_topic %r does not match GENPIPE_REPLY_TOPIC_PATTERN (%s), the workers' "
+                    "--reply-topic-pattern where they share this environment: every answer then goes to %s as an "
+                    "error and this client waits its timeout for each request", topic, rule.compiled.pattern, results)
