@@ -649,7 +649,7 @@ async def test_a_request_too_large_for_kafka_is_the_caller_s_error_not_unavailab
     assert await read_to_end(kafka_settings, kafka_settings.topic("cancel")) == []
 
 
-def test_a_reply_topic_no_worker_answers_on_is_refused_when_the_client_is_made(capsys):
+def test_a_reply_topic_no_worker_answers_on_is_refused_when_the_client_is_made(capsys, caplog, monkeypatch):
     """A reply topic that is one of the deployment's own topics, or not a topic name:
     every request timed out; now the client (and `genpipe submit`) refuses it at once.
     One the workers' default pattern refuses is a warning (the deployment may set
@@ -659,10 +659,23 @@ def test_a_reply_topic_no_worker_answers_on_is_refused_when_the_client_is_made(c
     settings = KafkaSettings(topic_prefix="acme")
     for topic, message in [("acme.requests", "one of the deployment's own topics"),
                            ("acme.dlq", "one of the deployment's own topics"),
-                           ("no spaces", "not a valid Kafka topic name")]:
+                           ("no spaces", "not a valid Kafka topic name"), ("..", "not a valid Kafka topic name")]:
         with pytest.raises(ValueError, match=message):
             GenpipeClient(settings=settings, reply_topic=topic)
     assert GenpipeClient(settings=settings, reply_topic="acme.reply.team").reply_topic == "acme.reply.team"
     assert main(["submit", "--topic-prefix", "acme", "--token-ids", "1,2", "--reply-topic", "acme.chunks",
                  "--bootstrap-servers", "127.0.0.1:1"]) == 2
     assert "reply_topic 'acme.chunks' is one of the deployment's own topics" in capsys.readouterr().err
+    # a doubtful one: `submit` says so once (the client's warning), then tries
+    with caplog.at_level(logging.WARNING, logger="workers.kafka.reply_topics"):
+        main(["submit", "--topic-prefix", "acme", "--token-ids", "1,2", "--reply-topic", "team.replies",
+              "--bootstrap-servers", "127.0.0.1:1", "--timeout", "1"])
+    assert caplog.text.count("reply_topic 'team.replies' does not match") == 1, caplog.text
+    # the workers' pattern, where the client's environment has it
+    caplog.clear()
+    monkeypatch.setenv("GENPIPE_REPLY_TOPIC_PATTERN", r"team\..+")
+    with caplog.at_level(logging.WARNING, logger="workers.kafka.reply_topics"):
+        GenpipeClient(settings=settings, reply_topic="team.replies")
+        assert not caplog.text
+        GenpipeClient(settings=settings, reply_topic="acme.reply.team")
+    assert "does not match GENPIPE_REPLY_TOPIC_PATTERN" in caplog.text
