@@ -120,6 +120,18 @@ def start_workers(workers: WorkerProcesses, settings, tokenizer) -> list[str]:
     return common
 
 
+async def read_events(http: httpx.AsyncClient, body: dict, events: list[str], after_first) -> None:
+    """A stream's `data:` lines into `events` until its body ends (or breaks: raised),
+    with `after_first()` called once the first has come (the gateway killed, stopped)."""
+    async with http.stream("POST", "/v1/completions", json=body) as stream:
+        assert stream.status_code == 200
+        async for line in stream.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if len(events) == 1:
+                    after_first()
+
+
 async def _wait_healthy(http: httpx.AsyncClient, proc, timeout: float = 120.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -154,13 +166,7 @@ async def test_the_gateway_killed_mid_stream_then_started_again(kafka_settings, 
             await _wait_healthy(http, gateway)
             events: list[str] = []
             with pytest.raises(httpx.RemoteProtocolError):  # the chunked body ends mid-way
-                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
-                    assert stream.status_code == 200
-                    async for line in stream.aiter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[len("data: "):])
-                            if len(events) == 1:
-                                workers.kill("gateway")
+                await read_events(http, {**body, "stream": True}, events, lambda: workers.kill("gateway"))
             assert events and "[DONE]" not in events
 
             gateway = workers.start("gateway-again", *serve)
@@ -207,13 +213,8 @@ async def test_a_gateway_told_to_stop_ends_its_open_requests_within_its_shutdown
             await _wait_healthy(http, gateway)
             whole = asyncio.ensure_future(http.post("/v1/completions", json=body))
             with contextlib.suppress(httpx.RemoteProtocolError):  # (the body cut before its end)
-                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
-                    assert stream.status_code == 200
-                    async for line in stream.aiter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[len("data: "):])
-                            if len(events) == 1:
-                                os.killpg(gateway.pid, signal.SIGTERM)
+                await read_events(http, {**body, "stream": True}, events,
+                                  lambda: os.killpg(gateway.pid, signal.SIGTERM))
             with contextlib.suppress(httpx.HTTPError):
                 assert (await whole).status_code == 500  # (uvicorn's, for a response it ended unsent)
         assert "[DONE]" not in events, "the stream ran to its end: the gateway waited for it"
